@@ -1,0 +1,151 @@
+"""Worker step throughput on the default model, next to Hugging Face transformers on the same weights.
+
+    python bench/worker_step.py                 # the full table (a few minutes on 2 CPU cores)
+    python bench/worker_step.py --batches 1 32 --contexts 128 --no-hf
+
+For each (batch, context): every sequence gets a prompt of ``context`` tokens (prefilled first,
+not timed), then ``--steps`` decode steps are timed; tokens/s is batch * steps / seconds. Prefill
+is timed separately (one prompt of ``--prefill-len`` tokens, and a batch of them). transformers
+runs the same prompts in the same dtype with its KV cache (``past_key_values``), greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import time
+
+import torch
+
+from worker_svc.kv_cache import KVCache, bytes_per_block
+from worker_svc.loader import load_model
+from worker_svc.runner import ModelRunner, SeqChunk, StepInput
+from worker_svc.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (batch, length), generator=g)
+
+
+def ours_decode(runner: ModelRunner, ids: torch.Tensor, steps: int, warmup: int = 2) -> float:
+    """Prefill every row of ``ids`` (not timed), ``warmup`` untimed decode steps, then ``steps`` timed."""
+    batch, length = ids.shape
+    bs = runner.cache.block_size
+    blocks_per_seq = (length + warmup + steps + bs) // bs
+    next_block = 0
+    last = {}
+    for b in range(batch):
+        table = list(range(next_block, next_block + blocks_per_seq))
+        next_block += blocks_per_seq
+        out = runner.step(StepInput([SeqChunk(f"s{b}", ids[b].tolist(), 0, table, True, GREEDY, length)]))
+        last[f"s{b}"] = out[0].sampled.token_id
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = time.perf_counter()
+        chunks = [SeqChunk(s, [t], length + i, [], True) for s, t in last.items()]
+        last = {r.seq_id: r.sampled.token_id for r in runner.step(StepInput(chunks))}
+    seconds = time.perf_counter() - start
+    runner.step(StepInput([], free_seq_ids=list(last)))
+    return batch * steps / seconds
+
+
+def ours_prefill(runner: ModelRunner, ids: torch.Tensor) -> float:
+    batch, length = ids.shape
+    bs = runner.cache.block_size
+    per = (length + bs - 1) // bs
+    chunks = [SeqChunk(f"p{b}", ids[b].tolist(), 0, list(range(b * per, (b + 1) * per)), True, GREEDY, length)
+              for b in range(batch)]
+    runner.step(StepInput([SeqChunk("warm", ids[0, :16].tolist(), 0, [0], True, GREEDY, 16)]))  # warm-up
+    runner.step(StepInput([], free_seq_ids=["warm"]))
+    start = time.perf_counter()
+    runner.step(StepInput(chunks))
+    seconds = time.perf_counter() - start
+    runner.step(StepInput([], free_seq_ids=[c.seq_id for c in chunks]))
+    return batch * length / seconds
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5 renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.inference_mode()
+def hf_decode(model, ids: torch.Tensor, steps: int, warmup: int = 2) -> float:
+    """Prefill (not timed), ``warmup`` untimed decode steps, then ``steps`` timed ones."""
+    kw = _cache_kwarg(model)
+    out = model(input_ids=ids, use_cache=True)
+    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = time.perf_counter()
+        out = model(input_ids=nxt, use_cache=True, **{kw: past})
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return ids.shape[0] * steps / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def hf_prefill(model, ids: torch.Tensor) -> float:
+    model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up
+    start = time.perf_counter()
+    model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return ids.numel() / (time.perf_counter() - start)
+
+
+def load_hf(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.model_files import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per (batch, context)")
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prefill-batch", type=int, default=4)
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers (ours only)")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.float32
+    loaded = load_model("default", dtype=dtype)
+    need = max(args.batches) * ((max(args.contexts) + args.steps + 2 + 16) // 16 + 1)
+    need = max(need, args.prefill_batch * (args.prefill_len // 16 + 1))
+    cache = KVCache.allocate(loaded.config, 16, need, "cpu", dtype)
+    runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=0)
+    hf = None if args.no_hf else load_hf(dtype)
+    vocab = loaded.config.vocab_size
+    print(f"model {loaded.name}, {dtype}, {torch.get_num_threads()} threads, KV {need} blocks x "
+          f"{bytes_per_block(loaded.config, 16, dtype)} B")
+    print(f"{'phase':<8}{'batch':>6}{'context':>9}{'conveyor tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}")
+
+    def row(phase, batch, ctx, ours, ref):
+        ref_s = f"{ref:20.1f}" if ref else f"{'-':>20}"
+        ratio = f"{ours / ref:8.2f}" if ref else f"{'-':>8}"
+        print(f"{phase:<8}{batch:>6}{ctx:>9}{ours:16.1f}{ref_s}{ratio}", flush=True)
+
+    for ctx in args.contexts:
+        for batch in args.batches:
+            ids = prompts(batch, ctx, vocab)
+            ours = ours_decode(runner, ids, args.steps)
+            ref = hf_decode(hf, ids, args.steps) if hf is not None else None
+            row("decode", batch, ctx, ours, ref)
+            gc.collect()
+    for batch in (1, args.prefill_batch):
+        ids = prompts(batch, args.prefill_len, vocab, seed=1)
+        ours = ours_prefill(runner, ids)
+        ref = hf_prefill(hf, ids) if hf is not None else None
+        row("prefill", batch, args.prefill_len, ours, ref)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Typed service configs -> command-line flags and environment variables.
+
+Each service describes its settings as one dataclass whose fields carry ``help`` in their
+metadata; ``add_arguments`` turns the fields into ``--flags`` whose defaults may come from
+``{PREFIX}{FIELD}`` environment variables (read when the command line is parsed, never at
+import time), and ``from_args`` builds the dataclass, whose ``__post_init__`` checks values and
+names the flag in its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+
+from conveyor.errors import ConfigError
+
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"512M"`` -> 536870912. Plain integers are bytes; K/M/G/T suffixes are powers of 1024."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _SIZE_SUFFIXES.get(value[-1:], 1)
+    number = value[:-1] if value[-1:] in _SIZE_SUFFIXES else value
+    return int(float(number) * scale)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def setting(default, help: str, **extra):  # noqa: A002 - mirrors argparse's keyword
+    """A dataclass field with a help text (and argparse extras such as ``choices``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+def _base_type(annotation):
+    """``int | None`` -> ``int``."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, env_prefix: str) -> None:
+    """Add one ``--flag`` per field of dataclass ``cls``; ``{env_prefix}{NAME}`` overrides defaults."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        kind = _base_type(hints[field.name])
+        env = f"{env_prefix}{field.name.upper()}"
+        default = os.environ.get(env, field.default)
+        meta = dict(field.metadata)
+        shown = "" if default is None else "; default: %(default)s"
+        help_text = f"{meta.pop('help', '')} (env {env}{shown})"
+        convert = meta.pop("parse", None) or kind
+        if kind is bool:
+            if isinstance(default, str):
+                default = default.lower() in ("1", "true", "yes", "on")
+            parser.add_argument(flag(field.name), action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        if isinstance(default, str) and convert is not str:
+            default = _convert(convert, default, env)
+        parser.add_argument(flag(field.name), type=convert, default=default, help=help_text, **meta)
+
+
+def _convert(convert, text: str, env: str):
+    try:
+        return convert(text)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {env}={text!r}: {exc}") from exc
+
+
+def from_args(cls, namespace: argparse.Namespace):
+    """Build dataclass ``cls`` from parsed arguments (its ``__post_init__`` validates)."""
+    return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+
+def require(condition: bool, name: str, message: str) -> None:
+    """Raise ``ConfigError`` naming ``--name`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(f"{flag(name)} {message}")

@@ -1,0 +1,42 @@
+"""Typed errors shared by every service. Core code raises these; one gRPC interceptor
+(``conveyor.grpc_util.ErrorMappingInterceptor``) turns them into status codes, and the client
+SDK raises the same classes back from status codes. Nothing here imports gRPC.
+"""
+
+from __future__ import annotations
+
+
+class ConveyorError(Exception):
+    """Base class; ``code`` is the name of the gRPC status code it maps to."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(ConveyorError, ValueError):
+    """A field of the request is malformed or out of range; the message names the field and limit."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class ResourceExhausted(ConveyorError):
+    """A capacity limit (queue size, KV cache, concurrency) was reached; try again later."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class NotFound(ConveyorError):
+    """The named request or resource does not exist."""
+
+    code = "NOT_FOUND"
+
+
+class Unavailable(ConveyorError):
+    """A dependency (another service, Redis) cannot be reached right now."""
+
+    code = "UNAVAILABLE"
+
+
+class ConfigError(ConveyorError, ValueError):
+    """A command-line flag or environment variable has a bad value; the message names the flag."""
+
+    code = "INVALID_ARGUMENT"

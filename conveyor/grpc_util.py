@@ -1,0 +1,90 @@
+"""gRPC plumbing shared by the services: error mapping, health, reflection, server start/stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from conveyor.errors import ConveyorError
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):
+    """The one place where typed errors become gRPC statuses (unexpected ones: INTERNAL, logged)."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler  # streaming handlers map their own errors with abort_for()
+        inner = handler.unary_unary
+
+        def wrapped(request, context):
+            try:
+                return inner(request, context)
+            except ConveyorError as exc:
+                context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            except Exception as exc:  # noqa: BLE001 - the last line of defence; logged with traceback
+                log.exception("unhandled error in %s", handler_call_details.method)
+                context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+        return grpc.unary_unary_rpc_method_handler(
+            wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def make_server(max_workers: int = 8) -> grpc.Server:
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[ErrorMappingInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+
+
+def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
+    """Register grpc.health.v1 (initially NOT_SERVING) and server reflection for ``service_names``."""
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *service_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        health_servicer.set(name, status)
+
+
+def bind(server: grpc.Server, host: str, port: int) -> int:
+    """Listen on host:port (port 0 picks a free one); returns the bound port."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (is the port in use?)")
+    return bound
+
+
+def wait_for_termination(server: grpc.Server, on_stop=None, grace: float = 5.0) -> None:
+    """Block until SIGINT/SIGTERM, then stop the server, letting calls in flight finish for ``grace`` s."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down")
+    if on_stop:
+        on_stop()
+    server.stop(grace).wait()

@@ -1,0 +1,1 @@
+"""Generated from protos/conveyor/v1 by `python -m conveyor.protogen`."""

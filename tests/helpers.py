@@ -1,0 +1,140 @@
+"""Helpers the tests share (not fixtures): runners, the reference forward, service processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_runner(loaded, block_size: int = 16, num_blocks: int = 1024, seed: int = 0):
+    from worker_svc.kv_cache import KVCache
+    from worker_svc.runner import ModelRunner
+
+    cache = KVCache.allocate(loaded.config, block_size, num_blocks, "cpu", torch.float32)
+    return ModelRunner(loaded.model, cache, loaded.max_model_len, seed=seed)
+
+
+@torch.inference_mode()
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    """(n, vocab) logits of transformers at every position of ``ids``."""
+    return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, service: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Poll grpc.health.v1 until ``service`` is SERVING; fail with the process output if it died."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                out = proc.stdout.read() if proc.stdout else ""
+                raise RuntimeError(f"process exited with {proc.returncode}:\n{out}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{service} at {address} not SERVING after {timeout}s")
+
+
+def conveyor_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "conveyor.cli", *args]
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        conveyor_command(*args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class TinyScheduler:
+    """Just enough scheduling to drive a ModelRunner in tests: blocks from a free list, prompts in
+    chunks of the given sizes, every sequence decoding greedily (or with its own params)."""
+
+    def __init__(self, runner, chunk_sizes: list[int] | None = None):
+        self.runner = runner
+        self.free_blocks = list(range(runner.cache.num_blocks))
+        self.chunk_sizes = chunk_sizes
+
+    def run(self, prompts: list[list[int]], max_tokens: int, params=None, together: bool = True):
+        """Returns (tokens, logprobs) per prompt. ``together``: all sequences share every step."""
+        from worker_svc.runner import SeqChunk, StepInput
+        from worker_svc.sampling import SamplingParams
+
+        params = params or [SamplingParams(temperature=0.0)] * len(prompts)
+        if not together:
+            outs = [self.run([p], max_tokens, [q]) for p, q in zip(prompts, params)]
+            return [o[0][0] for o in outs], [o[1][0] for o in outs]
+        seqs = [
+            {"id": f"seq{i}", "prompt": p, "done": 0, "out": [], "lp": [], "blocks": [], "params": q, "turn": i}
+            for i, (p, q) in enumerate(zip(prompts, params))
+        ]
+        bs = self.runner.cache.block_size
+        while any(len(s["out"]) < max_tokens for s in seqs):
+            chunks, finished = [], []
+            for s in seqs:
+                if len(s["out"]) >= max_tokens:
+                    if s["blocks"]:
+                        finished.append(s)
+                    continue
+                if s["done"] < len(s["prompt"]):
+                    size = len(s["prompt"]) - s["done"]
+                    if self.chunk_sizes:
+                        size = min(size, self.chunk_sizes[s["turn"] % len(self.chunk_sizes)])
+                        s["turn"] += 1
+                    tokens = s["prompt"][s["done"] : s["done"] + size]
+                else:
+                    tokens = [s["out"][-1]]
+                start = s["done"]
+                need = -(-(start + len(tokens)) // bs) - len(s["blocks"])
+                new = [self.free_blocks.pop() for _ in range(max(need, 0))]
+                s["blocks"] += new
+                sample = start + len(tokens) >= len(s["prompt"])
+                chunks.append(SeqChunk(s["id"], tokens, start, new, sample, s["params"] if start == 0 else None,
+                                       len(s["prompt"])))
+                s["done"] = start + len(tokens)
+            free_ids = [s["id"] for s in finished]
+            for s in finished:
+                self.free_blocks += s["blocks"]
+                s["blocks"] = []
+            by_id = {s["id"]: s for s in seqs}
+            for r in self.runner.step(StepInput(chunks, free_ids)):
+                by_id[r.seq_id]["out"].append(r.sampled.token_id)
+                by_id[r.seq_id]["lp"].append(r.sampled.logprob)
+        leftover = [s for s in seqs if s["blocks"]]
+        if leftover:
+            self.runner.step(StepInput([], [s["id"] for s in leftover]))
+            for s in leftover:
+                self.free_blocks += s["blocks"]
+                s["blocks"] = []
+        return [s["out"] for s in seqs], [s["lp"] for s in seqs]

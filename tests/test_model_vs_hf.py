@@ -1,0 +1,242 @@
+"""Our model code against Hugging Face transformers on the same weights (fp32).
+
+Two compute paths are checked: the CPU-kernel path the worker uses on this machine (quantized
+weights, kernels for attention and element-wise ops: same arithmetic, another summation order,
+so a tight tolerance) and the pure PyTorch path that CUDA runs (bit-for-bit here, tolerance kept
+for other BLAS builds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from helpers import hf_logits, make_runner
+from tokenizers import Tokenizer, models
+
+from conveyor.model_files import ModelFileError
+from worker_svc import cpu_kernels
+from worker_svc.loader import load_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(xs):\n    ",
+    "안녕하세요! 오늘 날씨는",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
+KERNEL_ATOL = 5e-4  # logits are O(10-30); the kernel path sums in another order (seen: 8e-5)
+TORCH_ATOL = 1e-4
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
+
+
+def _score(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    runner = make_runner(loaded, block_size=block_size, num_blocks=len(ids) // block_size + 2)
+    return runner.score(ids, list(range(len(ids) // block_size + 1)))
+
+
+@needs_kernels
+def test_default_model_uses_the_cpu_kernels(default_model):
+    assert default_model.packed and default_model.model.cpu_kernels
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_default_logits_match_transformers(default_model, dense_model, hf_model, prompt):
+    ids = default_model.tokenizer.encode(prompt)
+    expected = hf_logits(hf_model, ids)
+    torch.testing.assert_close(_score(dense_model, ids), expected, atol=TORCH_ATOL, rtol=0)
+    torch.testing.assert_close(_score(default_model, ids), expected, atol=KERNEL_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- tiny models made in the test
+
+
+def _word_tokenizer(folder, vocab_size: int) -> None:
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+
+
+def _save_hf(model, folder) -> None:
+    model.save_pretrained(folder, safe_serialization=True)
+    _word_tokenizer(folder, model.config.vocab_size)
+
+
+def _tiny_llama(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64, "rope_theta": 500000.0},
+        rope_theta=500000.0,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    _randomize(model, 1)
+    return model
+
+
+def _tiny_qwen2(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=320, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, use_sliding_window=False,
+        rope_theta=1000000.0,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    _randomize(model, 2)
+    return model
+
+
+@pytest.mark.parametrize("build", [_tiny_llama, _tiny_qwen2], ids=["llama3-rope-untied", "qwen2-bias-tied"])
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_tiny_hf_folder_matches_transformers(tmp_path, build, kernels):
+    reference = build(tmp_path)
+    _save_hf(reference, tmp_path)
+    ours = load_model(tmp_path, cpu_kernels=kernels)
+    assert ours.config.architecture == reference.config.model_type
+    ids = torch.randint(0, reference.config.vocab_size, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected = hf_logits(reference, ids)
+    torch.testing.assert_close(_score(ours, ids, block_size=4), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_folder_with_unknown_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    _word_tokenizer(tmp_path, 10)
+    with pytest.raises(ModelFileError, match="model_type 'gpt2' is not supported"):
+        load_model(tmp_path)
+
+
+def test_hf_folder_without_weights_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    _word_tokenizer(tmp_path, 10)
+    with pytest.raises(ModelFileError, match="no \\*.safetensors"):
+        load_model(tmp_path)
+
+
+# ---------------------------------------------------------------- GGUF quant types
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (the loader must undo it)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _byte_vocab() -> list[str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return list(bytes_to_unicode().values()) + ["<s>", "</s>"]
+
+
+QUANT_PLAN = {  # tensor -> GGUF type, covering every type the issue names
+    "token_embd": gguf.GGMLQuantizationType.Q8_0,
+    "output": gguf.GGMLQuantizationType.Q4_0,
+    "attn_q": gguf.GGMLQuantizationType.Q4_1,
+    "attn_k": gguf.GGMLQuantizationType.Q4_0,
+    "attn_v": gguf.GGMLQuantizationType.Q8_0,
+    "attn_output": gguf.GGMLQuantizationType.F16,
+    "ffn_gate": gguf.GGMLQuantizationType.BF16,
+    "ffn_up": gguf.GGMLQuantizationType.Q4_1,
+    "ffn_down": gguf.GGMLQuantizationType.F32,
+}
+
+
+def _write_tiny_gguf(path, quant_plan=QUANT_PLAN, arch: str = "llama") -> None:
+    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
+    vocab = _byte_vocab()
+    rng = np.random.default_rng(7)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * 0.15).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(vocab))
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab)
+    writer.add_token_merges([])
+    writer.add_token_types([1] * 256 + [3, 3])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+
+    def add(name: str, kind: str, w: np.ndarray) -> None:
+        qtype = quant_plan[kind]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, w)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        elif qtype == gguf.GGMLQuantizationType.Q8_1:  # a type gguf-py cannot dequantize
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            writer.add_tensor(name, np.zeros((w.shape[0], w.shape[1] // block * size), np.uint8), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", "token_embd", rand(len(vocab), hidden))
+    add("output.weight", "output", rand(len(vocab), hidden))
+    writer.add_tensor("output_norm.weight", 1 + rand(hidden))
+    for i in range(layers):
+        add(f"blk.{i}.attn_q.weight", "attn_q", _llama_cpp_permute(rand(hidden, hidden), heads))
+        add(f"blk.{i}.attn_k.weight", "attn_k", _llama_cpp_permute(rand(hidden // 2, hidden), kv_heads))
+        add(f"blk.{i}.attn_v.weight", "attn_v", rand(hidden // 2, hidden))
+        add(f"blk.{i}.attn_output.weight", "attn_output", rand(hidden, hidden))
+        add(f"blk.{i}.ffn_gate.weight", "ffn_gate", rand(inter, hidden))
+        add(f"blk.{i}.ffn_up.weight", "ffn_up", rand(inter, hidden))
+        add(f"blk.{i}.ffn_down.weight", "ffn_down", rand(hidden, inter))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", 1 + rand(hidden))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + rand(hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_tiny_gguf_with_every_quant_type_matches_transformers(tmp_path, monkeypatch, kernels):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ours = load_model(path, cpu_kernels=kernels)
+    ids = torch.randint(0, 258, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    torch.testing.assert_close(_score(ours, ids, block_size=8), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+    again = load_model(path, cpu_kernels=kernels)  # from the on-disk cache this time
+    torch.testing.assert_close(_score(again, ids, block_size=8), _score(ours, ids, block_size=8), atol=0, rtol=0)
+
+
+def test_gguf_with_unreadable_quant_type_names_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "q8_1.gguf"
+    _write_tiny_gguf(path, dict(QUANT_PLAN, ffn_up=gguf.GGMLQuantizationType.Q8_1))  # gguf cannot dequantize it
+    with pytest.raises(ModelFileError, match="Q8_1"):
+        load_model(path, cpu_kernels="off")
+
+
+def test_gguf_of_unsupported_architecture_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "falcon.gguf"
+    _write_tiny_gguf(path, arch="falcon")
+    with pytest.raises(ModelFileError, match="architecture 'falcon' is not supported"):
+        load_model(path)

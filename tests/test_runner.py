@@ -1,0 +1,137 @@
+"""Engine steps on the real default model: batching, chunking and paging never change the tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TinyScheduler, hf_logits, make_runner
+
+from worker_svc.runner import InvalidStep, SeqChunk, StepInput
+from worker_svc.sampling import SamplingParams
+
+MAX_TOKENS = 64
+CHATS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "안녕하세요! 자기소개를 해 주세요.",
+    "List three colors.",
+    "Explain photosynthesis in one sentence.",
+    "Translate 'good morning' into Spanish and German.",
+]
+RAW = ["Once upon a time, in a land far away,", "1, 2, 3, 4, 5,"]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model):
+    tok = default_model.tokenizer
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHATS]
+    return chats + [tok.encode(r) for r in RAW]
+
+
+@pytest.fixture(scope="module")
+def alone(default_model, prompts):
+    """The reference: each prompt on its own, whole prompt in one step, 16-token blocks."""
+    return TinyScheduler(make_runner(default_model)).run(prompts, MAX_TOKENS, together=False)
+
+
+def test_alone_matches_transformers_greedy(alone, prompts, hf_model):
+    """Teacher-forced: at every generated position, our token is transformers' argmax (ties
+    within 1e-3 excepted) and our logprob is transformers' log-softmax of it."""
+    tokens, logprobs = alone
+    for prompt, out, lps in zip(prompts, tokens, logprobs):
+        assert len(out) == MAX_TOKENS
+        logits = hf_logits(hf_model, prompt + out[:-1])[len(prompt) - 1 :]
+        ref_lp = torch.log_softmax(logits, dim=-1)
+        for i, token in enumerate(out):
+            assert logits[i, token] >= logits[i].max() - 1e-3, f"token {i} is not the greedy choice"
+            assert lps[i] == pytest.approx(ref_lp[i, token].item(), abs=1e-3)
+
+
+def test_all_together_in_one_batch(default_model, prompts, alone):
+    tokens, _ = TinyScheduler(make_runner(default_model)).run(prompts, MAX_TOKENS, together=True)
+    assert tokens == alone[0]
+
+
+def test_prompts_in_odd_sized_chunks_mixed_with_decodes(default_model, prompts, alone):
+    # Different chunk sizes per sequence and turn: prefill chunks and decodes share steps.
+    scheduler = TinyScheduler(make_runner(default_model), chunk_sizes=[7, 3, 11, 5, 13])
+    tokens, _ = scheduler.run(prompts, MAX_TOKENS, together=True)
+    assert tokens == alone[0]
+
+
+def test_small_blocks_spanning_many_blocks(default_model, prompts, alone):
+    runner = make_runner(default_model, block_size=2, num_blocks=4096)
+    scheduler = TinyScheduler(runner, chunk_sizes=[5, 9])
+    scheduler.free_blocks.reverse()  # hand out blocks in descending order: tables are not contiguous
+    tokens, _ = scheduler.run(prompts, MAX_TOKENS, together=True)
+    assert tokens == alone[0]
+
+
+def test_pytorch_path_generates_the_same_tokens(dense_model, prompts, alone):
+    """The path CUDA takes (dense weights, gathered KV + SDPA), batched and chunked."""
+    scheduler = TinyScheduler(make_runner(dense_model, block_size=4, num_blocks=2048), chunk_sizes=[6, 17])
+    tokens, _ = scheduler.run(prompts[:4], 24, together=True)
+    assert tokens == [t[:24] for t in alone[0][:4]]
+
+
+# ---------------------------------------------------------------- malformed steps
+
+
+def _start(runner, seq_id, prompt, blocks):
+    out = runner.step(StepInput([SeqChunk(seq_id, prompt, 0, blocks, True, SamplingParams(temperature=0.0), len(prompt))]))
+    return out[0].sampled.token_id
+
+
+def _continue(runner, seq_id, token, pos, steps):
+    tokens = []
+    for i in range(steps):
+        token = runner.step(StepInput([SeqChunk(seq_id, [token], pos + i, [], True)]))[0].sampled.token_id
+        tokens.append(token)
+    return tokens
+
+
+BAD_STEPS = {
+    "block id out of range": (SeqChunk("x", [1, 2], 0, [10**6], True, SamplingParams(), 2), "block id 1000000"),
+    "position past max model length": (
+        SeqChunk("x", [7] * 8193, 0, [0], True, SamplingParams(), 8193), "position 8192 is past the max model length 8192"
+    ),
+    "unknown sequence": (SeqChunk("nobody", [1], 5, [], True), "unknown sequence"),
+    "token outside vocabulary": (SeqChunk("x", [49152], 0, [0], True, SamplingParams(), 1), "outside the vocabulary"),
+    "no sampling parameters": (SeqChunk("x", [1], 0, [0], True, None, 1), "sampling parameters"),
+    "too few blocks": (SeqChunk("x", list(range(40)), 0, [0], True, SamplingParams(), 40), "blocks hold 16 tokens"),
+    "wrong start position": (SeqChunk("a", [5], 3, [], True), "start_pos 3"),
+    "empty chunk": (SeqChunk("x", [], 0, [0], True, SamplingParams(), 1), "token_ids is empty"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_STEPS))
+def test_malformed_step_is_rejected_and_leaves_others_intact(default_model, prompts, name):
+    bad, message = BAD_STEPS[name]
+    runner = make_runner(default_model, num_blocks=64)
+    reference = make_runner(default_model, num_blocks=64)
+    prompt = prompts[0]
+    first = _start(runner, "a", prompt, [1, 2, 3, 4, 5])
+    assert first == _start(reference, "a", prompt, [1, 2, 3, 4, 5])
+    pos = len(prompt)
+    good = SeqChunk("a", [first], pos, [], True)  # a valid chunk in the same step must not run either
+    with pytest.raises(InvalidStep, match=message):
+        runner.step(StepInput([good, bad] if bad.seq_id != "a" else [bad]))
+    assert _continue(runner, "a", first, pos, 8) == _continue(reference, "a", first, pos, 8)
+
+
+def test_duplicate_sequence_in_one_step_is_rejected(default_model):
+    runner = make_runner(default_model, num_blocks=8)
+    chunk = SeqChunk("d", [1, 2], 0, [0], True, SamplingParams(), 2)
+    with pytest.raises(InvalidStep, match="twice"):
+        runner.step(StepInput([chunk, chunk]))
+
+
+def test_freed_sequence_is_forgotten_and_its_blocks_reusable(default_model, prompts, alone):
+    runner = make_runner(default_model, num_blocks=16)
+    _start(runner, "a", prompts[1], list(range(8)))
+    runner.step(StepInput([], free_seq_ids=["a"]))
+    with pytest.raises(InvalidStep, match="unknown sequence"):
+        runner.step(StepInput([SeqChunk("a", [1], len(prompts[1]), [], True)]))
+    # the same blocks, now owned by another sequence, give that sequence's own answer
+    first = _start(runner, "b", prompts[0], list(range(8)))
+    assert [first, *_continue(runner, "b", first, len(prompts[0]), 5)] == alone[0][0][:6]

@@ -1,0 +1,35 @@
+"""Settings of ``conveyor serve worker`` (flags and ``CONVEYOR_WORKER_*`` environment variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.config import parse_size, require, setting
+
+ENV_PREFIX = "CONVEYOR_WORKER_"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class WorkerConfig:
+    model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a .gguf file, or a Hugging Face folder")
+    host: str = setting("127.0.0.1", "address to listen on (internal service: localhost by default)")
+    port: int = setting(50053, "gRPC port (0 picks a free one)")
+    device: str = setting("auto", "'auto' (cuda when present, else cpu), 'cpu', 'cuda' or 'cuda:N'")
+    dtype: str = setting("auto", "compute dtype; auto is bfloat16 on cuda and float32 on cpu", choices=DTYPES)
+    block_size: int = setting(16, "tokens per KV cache block")
+    kv_cache_bytes: int | None = setting(None, "KV cache budget, e.g. 512M or 4G (default: a share of free memory)", parse=parse_size)
+    gpu_memory_fraction: float = setting(0.85, "share of free GPU memory the KV cache takes when --kv-cache-bytes is unset")
+    max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens (default: the model's)")
+    seed: int | None = setting(None, "seed of the worker's generator for unseeded requests")
+    log_level: str = setting("INFO", "logging level")
+
+    def __post_init__(self):
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(1 <= self.block_size <= 1024, "block_size", f"must be in [1, 1024], got {self.block_size}")
+        require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
+        require(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction", "must be in (0, 1]")
+        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
+                f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")

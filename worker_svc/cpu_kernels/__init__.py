@@ -1,0 +1,185 @@
+"""CPU kernels for x86 (AVX2/FMA/F16C), built from the C files beside this one on first use:
+
+- ``qgemm``: matmul with weights kept in GGUF Q4_0 / Q4_1 / Q8_0 blocks (``qgemm.c``);
+- ``attention``: RoPE, the KV write and attention read in place from the paged cache (``attention.c``);
+- ``add_rms_norm``, ``silu_mul``: the element-wise rest of a decoder layer (``elementwise.c``).
+
+They exist because on a CPU at small batch a decoder layer is dominated by the per-op cost of
+PyTorch's dispatch and by fp32 weight traffic; the arithmetic is the same as the PyTorch path
+
+The shared library is compiled with the system C compiler into the Conveyor cache folder (keyed by
+the source's hash), then loaded with ``ctypes``; compiling takes about a second, once per machine.
+``available()`` says whether it can be used here and, when not, why (no compiler, no AVX2, ...).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from conveyor.cache import cache_root, write_atomic
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / name for name in ("qgemm.c", "attention.c", "elementwise.c")]
+HEADERS = [HERE / "simd.h"]
+# -ffp-contract=off: a * b + c in plain C stays two roundings, as in PyTorch (intrinsics are explicit)
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
+# ggml type ids -> bytes per block of 32 weights
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+QK = 32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build() -> Path:
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"conveyor-cpu-{digest}.so"
+    if not target.is_file():
+        compiler = shutil.which("cc") or shutil.which("gcc")
+
+        def compile_to(tmp: Path) -> None:
+            command = [compiler, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"]
+            subprocess.run(command, check=True, capture_output=True, text=True)
+
+        write_atomic(target, compile_to)
+    return target
+
+
+@cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not an x86-64 CPU ({platform.machine()})"
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return None, f"the CPU lacks {', '.join(sorted(missing))}"
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        return None, "no C compiler (cc) on PATH"
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except subprocess.CalledProcessError as exc:
+        return None, f"compiling the CPU kernels failed: {exc.stderr.strip()[:500]}"
+    except OSError as exc:
+        return None, f"loading the compiled kernel failed: {exc}"
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.qgemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
+    lib.qgemm.restype = ctypes.c_int
+    lib.qdequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
+    lib.qdequant_rows.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr]
+    lib.paged_attention.restype = ctypes.c_int
+    lib.rope_store.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.rope_store.restype = None
+    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ptr]
+    lib.add_rms_norm.restype = None
+    lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
+    lib.silu_mul.restype = None
+    return lib, ""
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the kernels can run here, else (False, the reason)."""
+    lib, reason = _library()
+    return lib is not None, reason
+
+
+def _lib() -> ctypes.CDLL:
+    lib, reason = _library()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {reason}")
+    return lib
+
+
+def qgemm(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
+    """x: (M, K) fp32 -> (M, N) fp32, with qweight the (N, K/32 * block bytes) uint8 GGUF blocks."""
+    lib = _lib()
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if lib.qgemm(qtype, x.data_ptr(), m, k, qweight.data_ptr(), out_features, y.data_ptr()) != 0:
+        raise ValueError(f"qgemm: unsupported type {qtype} or K={k}")
+    return y
+
+
+def dequantize_rows(qweight: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 values of the given rows: (len(rows), K)."""
+    lib = _lib()
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty(rows.numel(), in_features, dtype=torch.float32)
+    if lib.qdequant_rows(qtype, qweight.data_ptr(), in_features, rows.data_ptr(), rows.numel(), out.data_ptr()) != 0:
+        raise ValueError(f"qdequant_rows: unsupported type {qtype} or K={in_features}")
+    return out
+
+
+def attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
+    token_pos: torch.Tensor,
+) -> torch.Tensor:
+    """Everything between the qkv and output projections, for a flat batch of T new tokens.
+
+    qkv: (T, (H + 2 Hkv) * D) fp32, modified in place (RoPE on q and k); cos, sin: (P, D) tables;
+    caches: (num_blocks, block_size, Hkv, D), k and v of each token written at ``slot_mapping``;
+    block_tables: (B, max_blocks) int32; token_seq, token_pos: (T,) int32. Each token attends to
+    its sequence's keys at positions 0..token_pos. Returns (T, H * D).
+    """
+    lib = _lib()
+    _blocks, block_size, hkv, d = k_cache.shape
+    t = qkv.shape[0]
+    qkv = qkv.contiguous()
+    lib.rope_store(qkv.data_ptr(), t, num_heads, hkv, d, token_pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                   slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    out = torch.empty(t, num_heads * d, dtype=torch.float32)
+    code = lib.paged_attention(
+        qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], token_seq.data_ptr(), token_pos.data_ptr(), t, num_heads, hkv, d, block_size,
+        d**-0.5, out.data_ptr(),
+    )
+    if code != 0:
+        raise ValueError(f"paged_attention: unsupported shapes H={num_heads} Hkv={hkv} D={d}")
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += add (in place, when given); returns rms_norm(x) * weight. x: (rows, n) fp32 contiguous."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    add_ptr = add.contiguous().data_ptr() if add is not None else None
+    _lib().add_rms_norm(x.data_ptr(), add_ptr, weight.data_ptr(), rows, n, eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(rows, 2n) -> (rows, n): silu(gate) * up."""
+    rows, n2 = gate_up.shape
+    gate_up = gate_up.contiguous()
+    out = torch.empty(rows, n2 // 2, dtype=torch.float32)
+    _lib().silu_mul(gate_up.data_ptr(), rows, n2 // 2, out.data_ptr())
+    return out

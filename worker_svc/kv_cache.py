@@ -1,0 +1,59 @@
+"""The paged KV cache: fixed-size blocks, one K and one V tensor per layer.
+
+The scheduler decides which blocks a sequence owns; the worker only holds the memory. Token at
+position ``p`` of a sequence whose block table is ``bt`` lives in slot
+``bt[p // block_size] * block_size + p % block_size`` of every layer's tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_svc.model import ModelConfig
+
+CPU_DEFAULT_FRACTION = 0.25  # of available RAM when --kv-cache-bytes is not given
+CPU_DEFAULT_CAP = 2 << 30
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for ``block_size`` tokens."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def available_cpu_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def kv_budget_bytes(device: torch.device, kv_cache_bytes: int | None, gpu_memory_fraction: float) -> int:
+    """How many bytes the cache may take: the explicit budget, else a share of what is free."""
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * gpu_memory_fraction)
+    return min(CPU_DEFAULT_CAP, int(available_cpu_bytes() * CPU_DEFAULT_FRACTION))
+
+
+@dataclass
+class KVCache:
+    k: list[torch.Tensor]  # per layer: (num_blocks, block_size, Hkv, D)
+    v: list[torch.Tensor]
+    block_size: int
+    num_blocks: int
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, block_size: int, num_blocks: int, device, dtype) -> KVCache:
+        # Uninitialised on purpose (zeroing GiBs costs seconds at start-up): attention only ever
+        # reads slots written earlier, padding included (the runner points padding at real slots).
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        return cls(k, v, block_size, num_blocks)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.k, self.v))

@@ -1,0 +1,224 @@
+"""One engine step: validate the scheduler's batch, run one forward over it, sample.
+
+The worker keeps a little state per sequence (its token history, prompt length, sampling
+parameters and block table) so that each step only carries what changed: the new tokens and the
+blocks appended since the last step. A sequence is registered by a chunk that starts at position
+0 (a new request, or a recompute after preemption) and forgotten when its id is in ``free``.
+
+A malformed step raises ``InvalidStep`` before anything is computed or changed, so the cache and
+state of every other sequence stay as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.errors import InvalidArgument
+from worker_svc.kv_cache import KVCache
+from worker_svc.model import AttentionMetadata, LlamaModel, PrefillChunk
+from worker_svc.sampling import Sampled, SampleRow, SamplingParams, sample
+
+
+class InvalidStep(InvalidArgument):
+    """The step names a block, position, token or sequence the worker cannot accept."""
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step."""
+
+    seq_id: str
+    token_ids: list[int]  # new tokens to compute, at positions start_pos, start_pos + 1, ...
+    start_pos: int
+    new_block_ids: list[int] = field(default_factory=list)  # appended to the block table first
+    sample: bool = False  # sample a token after the last of token_ids
+    sampling: SamplingParams | None = None  # required when start_pos == 0 (registers the sequence)
+    num_prompt_tokens: int = 0  # with sampling: the original prompt length (later tokens are output)
+
+
+@dataclass
+class StepInput:
+    chunks: list[SeqChunk]
+    free_seq_ids: list[str] = field(default_factory=list)  # dropped before the chunks run
+
+
+@dataclass
+class StepResult:
+    seq_id: str
+    sampled: Sampled
+
+
+@dataclass
+class SeqState:
+    params: SamplingParams
+    num_prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)  # every token fed so far (KV computed)
+    block_table: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and the per-sequence state; ``step`` runs one engine step."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int, seed: int | None = None):
+        self.model = model
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.vocab_size = model.cfg.vocab_size
+        self.device = model.norm.weight.device
+        self.seqs: dict[str, SeqState] = {}
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed if seed is not None else torch.seed())
+
+    # ------------------------------------------------------------ validation
+
+    def _check(self, step: StepInput) -> None:
+        ids = [c.seq_id for c in step.chunks]
+        if len(set(ids)) != len(ids):
+            raise InvalidStep("a sequence appears twice in one step")
+        freed = set(step.free_seq_ids)
+        for c in step.chunks:
+            self._check_chunk(c, known=c.seq_id in self.seqs and c.seq_id not in freed)
+
+    def _check_chunk(self, c: SeqChunk, known: bool) -> None:
+        where = f"sequence {c.seq_id!r}"
+        if not c.token_ids:
+            raise InvalidStep(f"{where}: token_ids is empty")
+        bad = [t for t in c.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidStep(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if c.start_pos == 0:
+            if c.sampling is None:
+                raise InvalidStep(f"{where}: a chunk at position 0 must carry sampling parameters")
+            if c.num_prompt_tokens < 1:
+                raise InvalidStep(f"{where}: num_prompt_tokens must be >= 1")
+            table: list[int] = []
+        elif not known:
+            raise InvalidStep(f"{where}: unknown sequence (it must start at position 0)")
+        else:
+            state = self.seqs[c.seq_id]
+            if c.start_pos != len(state.tokens):
+                raise InvalidStep(f"{where}: start_pos {c.start_pos} but {len(state.tokens)} tokens are computed")
+            table = state.block_table
+        end = c.start_pos + len(c.token_ids)
+        if end > self.max_model_len:
+            raise InvalidStep(f"{where}: position {end - 1} is past the max model length {self.max_model_len}")
+        bad = [b for b in c.new_block_ids if not 0 <= b < self.cache.num_blocks]
+        if bad:
+            raise InvalidStep(f"{where}: block id {bad[0]} is out of range [0, {self.cache.num_blocks})")
+        have = (len(table) + len(c.new_block_ids)) * self.cache.block_size
+        if have < end:
+            raise InvalidStep(f"{where}: blocks hold {have} tokens but positions up to {end - 1} are needed")
+
+    # ------------------------------------------------------------ the step
+
+    @torch.inference_mode()
+    def step(self, step: StepInput) -> list[StepResult]:
+        self._check(step)
+        for seq_id in step.free_seq_ids:
+            self.seqs.pop(seq_id, None)
+        staged = {c.seq_id: self._staged_state(c) for c in step.chunks}
+        # decode tokens first (one query each), then prefill chunks
+        order = sorted(step.chunks, key=lambda c: len(c.token_ids) > 1)
+        results = self._forward_and_sample(order, staged) if order else []
+        self.seqs.update(staged)  # commit only after the forward succeeded
+        position = {c.seq_id: i for i, c in enumerate(step.chunks)}
+        return sorted(results, key=lambda r: position[r.seq_id])  # request order
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
+        """Logits (n, vocab) at every position of ``token_ids``, computed in the blocks given.
+
+        Nothing is registered: the blocks are scratch space the caller owns for this call
+        (prompt log-probabilities, and checking the model against a reference).
+        """
+        chunk = SeqChunk("\0score", list(token_ids), 0, list(block_ids), False, SamplingParams(), len(token_ids))
+        self._check_chunk(chunk, known=False)
+        staged = {chunk.seq_id: self._staged_state(chunk)}
+        input_ids, positions, meta, _ = self._prepare([chunk], staged)
+        return self.model.logits(self.model(input_ids, positions, self.cache.layers(), meta))
+
+    def _staged_state(self, c: SeqChunk) -> SeqState:
+        if c.start_pos == 0:
+            return SeqState(c.sampling, c.num_prompt_tokens, list(c.token_ids), list(c.new_block_ids))
+        old = self.seqs[c.seq_id]
+        return SeqState(old.params, old.num_prompt_tokens, old.tokens + c.token_ids, old.block_table + c.new_block_ids)
+
+    def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> list[StepResult]:
+        input_ids, positions, meta, last_rows = self._prepare(order, staged)
+        hidden = self.model(input_ids, positions, self.cache.layers(), meta)
+        sampled = [c for c in order if c.sample]
+        if not sampled:
+            return []
+        rows = torch.tensor([last_rows[c.seq_id] for c in sampled], device=self.device)
+        logits = self.model.logits(hidden[rows])
+        sample_rows = []
+        for c in sampled:
+            s = staged[c.seq_id]
+            sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :]))
+        return [StepResult(c.seq_id, r) for c, r in zip(sampled, sample(logits, sample_rows, self.generator))]
+
+    def _prepare(self, order: list[SeqChunk], staged: dict[str, SeqState]):
+        """Flat token batch, positions and the attention metadata (built on CPU, moved once)."""
+        bs = self.cache.block_size
+        ids, pos, slots, last_rows = [], [], [], {}
+        tables = [staged[c.seq_id].block_table for c in order]
+        rows = 0
+        for c, table in zip(order, tables):
+            p = torch.arange(c.start_pos, c.start_pos + len(c.token_ids))
+            ids.append(torch.tensor(c.token_ids))
+            pos.append(p)
+            slots.append(_slots(table, p, bs))
+            rows += len(c.token_ids)
+            last_rows[c.seq_id] = rows - 1
+        if self.model.cpu_kernels:
+            return torch.cat(ids), torch.cat(pos), self._kernel_metadata(order, tables, pos, slots), last_rows
+        num_decodes = sum(1 for c in order if len(c.token_ids) == 1)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=num_decodes)
+        if num_decodes:
+            ctx = torch.tensor([c.start_pos + 1 for c in order[:num_decodes]])
+            width = int(ctx.max())
+            kv_pos = torch.arange(width)
+            meta.decode_kv_slots = torch.stack([_slots(t, kv_pos.clamp(max=n - 1), bs) for t, n in zip(tables, ctx.tolist())])
+            meta.decode_mask = (kv_pos.unsqueeze(0) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, width)
+        row = num_decodes
+        for c, table in zip(order[num_decodes:], tables[num_decodes:]):
+            n, end = len(c.token_ids), c.start_pos + len(c.token_ids)
+            if c.start_pos == 0:
+                meta.prefills.append(PrefillChunk(row, row + n, None, None))
+            else:
+                q_pos = torch.arange(c.start_pos, end).unsqueeze(1)
+                mask = torch.arange(end).unsqueeze(0) <= q_pos  # (n, ctx)
+                meta.prefills.append(PrefillChunk(row, row + n, _slots(table, torch.arange(end), bs), mask))
+            row += n
+        meta = _to_device(meta, self.device)
+        return torch.cat(ids).to(self.device), torch.cat(pos).to(self.device), meta, last_rows
+
+
+    @staticmethod
+    def _kernel_metadata(order, tables, pos, slots) -> AttentionMetadata:
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        lengths = torch.tensor([len(c.token_ids) for c in order])
+        token_seq = torch.repeat_interleave(torch.arange(len(order), dtype=torch.int32), lengths)
+        return AttentionMetadata(torch.cat(slots), block_tables, token_seq, torch.cat(pos).to(torch.int32))
+
+
+def _slots(table: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of ``positions`` for a sequence with block table ``table``."""
+    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    if device.type == "cpu":
+        return meta
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    meta.slot_mapping = move(meta.slot_mapping)
+    meta.decode_kv_slots, meta.decode_mask = move(meta.decode_kv_slots), move(meta.decode_mask)
+    for p in meta.prefills:
+        p.kv_slots, p.mask = move(p.kv_slots), move(p.mask)
+    return meta

@@ -1,0 +1,165 @@
+"""Turning one row of logits per sequence into one token per sequence.
+
+Order of operations (vLLM's, so users get the same behaviour for the same parameters):
+logit bias and ``min_tokens`` stop-token masking, then penalties, then greedy argmax or
+temperature, min-p, top-k, top-p and a draw. Penalties, as vLLM documents them:
+
+- repetition: for tokens in the prompt or the output so far, ``l / r`` when ``l > 0`` else ``l * r``;
+- frequency: ``l -= f * count_in_output``;
+- presence:  ``l -= p * (count_in_output > 0)``.
+
+The draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token (the exponential race, a sample
+from ``probs``). A request with a seed draws its ``q`` from a generator seeded with
+``(seed, output index)``, so its tokens depend on nothing else in the batch and survive a recompute
+after preemption. Returned logprobs are of the model's raw distribution (before any processing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this mean greedy
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the generator's seed space
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence samples. Defaults mean: plain sampling at temperature 1, no penalties."""
+
+    temperature: float = 1.0
+    top_k: int = -1  # <= 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    min_tokens: int = 0  # stop_token_ids are masked until this many tokens were generated
+    stop_token_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0  # how many alternatives to return with each sampled token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class SampleRow:
+    """One sequence to sample for: its parameters and its token history."""
+
+    params: SamplingParams
+    prompt_ids: list[int]  # the original prompt
+    output_ids: list[int]  # tokens generated so far (fed back to the model)
+
+
+@dataclass
+class Sampled:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+def seed_for(seed: int, output_index: int) -> int:
+    """Generator seed of the draw for output token ``output_index`` of a request seeded ``seed``."""
+    return ((seed * _SEED_MIX) ^ (output_index + 1) * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+        if p.stop_token_ids and len(row.output_ids) < p.min_tokens:
+            logits[i, list(p.stop_token_ids)] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place, for the rows that ask for any penalty (formulas in the module docstring)."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(row.prompt_ids, dtype=torch.long, device=logits.device)] = True
+            rp = p.repetition_penalty
+            l = logits[i]
+            logits[i] = torch.where(seen, torch.where(l > 0, l / rp, l * rp), l)
+        if p.frequency_penalty:
+            logits[i] -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """One row (V,) after temperature: -inf outside the min-p, top-k and top-p support."""
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = mass_before >= top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[0] = False
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def _seeded_exponential(vocab: int, row: SampleRow, device) -> torch.Tensor:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed_for(row.params.seed, len(row.output_ids)))
+    return torch.empty(vocab, device=device).exponential_(generator=g)
+
+
+def _needs_truncation(p: SamplingParams, vocab: int) -> bool:
+    return p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None) -> list[Sampled]:
+    """logits: (N, V) fp32, one row per entry of ``rows``. Returns one ``Sampled`` per row."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = logits.clone()
+    apply_bias_and_min_tokens(logits, rows)
+    apply_penalties(logits, rows)
+    tokens = torch.argmax(logits, dim=-1)  # the answer for greedy rows
+    vocab, device = logits.shape[1], logits.device
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        temps = torch.tensor([rows[i].params.temperature for i in drawn], device=device, dtype=logits.dtype)
+        scaled = logits[drawn] / temps.unsqueeze(1)  # (R, V)
+        q = torch.empty_like(scaled).exponential_(generator=generator)
+        for j, i in enumerate(drawn):
+            p = rows[i].params
+            if _needs_truncation(p, vocab):
+                scaled[j] = truncate(scaled[j], p.top_k, p.top_p, p.min_p)
+            if p.seed is not None:
+                q[j] = _seeded_exponential(vocab, rows[i], device)
+        tokens[drawn] = torch.argmax(torch.softmax(scaled, dim=-1) / q, dim=-1)
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    want_top = max((r.params.top_logprobs for r in rows), default=0)
+    top = torch.topk(raw_logprobs, want_top, dim=-1) if want_top else None
+    tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
+    top_vals = top.values.tolist() if top is not None else None
+    top_ids = top.indices.tolist() if top is not None else None
+    results = []
+    for i, row in enumerate(rows):
+        n = row.params.top_logprobs
+        alternatives = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else []
+        results.append(Sampled(tokens_l[i], chosen_l[i], alternatives))
+    return results

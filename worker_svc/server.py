@@ -1,0 +1,160 @@
+"""``conveyor serve worker``: the Worker gRPC service over a ``ModelRunner``.
+
+Protobuf messages are converted to the runner's dataclasses here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from conveyor import grpc_util
+from conveyor.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.config import WorkerConfig
+from worker_svc.kv_cache import KVCache, bytes_per_block, kv_budget_bytes
+from worker_svc.loader import LoadedModel, load_model
+from worker_svc.runner import InvalidStep, ModelRunner, SeqChunk, StepInput, StepResult
+from worker_svc.sampling import SamplingParams
+
+log = logging.getLogger("conveyor.worker")
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+# ---------------------------------------------------------------- protobuf <-> dataclasses
+
+
+def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_k=pb.top_k,
+        top_p=pb.top_p or 1.0,
+        min_p=pb.min_p,
+        repetition_penalty=pb.repetition_penalty or 1.0,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        logit_bias=dict(pb.logit_bias),
+        seed=pb.seed if pb.HasField("seed") else None,
+        min_tokens=pb.min_tokens,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        top_logprobs=pb.top_logprobs,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, seed=p.seed,
+        min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids, top_logprobs=p.top_logprobs,
+    )
+
+
+def check_sampling(seq_id: str, p: SamplingParams, vocab_size: int) -> None:
+    """The ranges the sampler relies on (the frontend checks users' values; this guards the wire)."""
+    problems = [
+        (p.temperature >= 0, f"temperature must be >= 0, got {p.temperature}"),
+        (0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}"),
+        (0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}"),
+        (p.repetition_penalty > 0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
+        (all(0 <= t < vocab_size for t in p.logit_bias), f"logit_bias token ids must be < {vocab_size}"),
+        (all(0 <= t < vocab_size for t in p.stop_token_ids), f"stop_token_ids must be < {vocab_size}"),
+        (p.top_logprobs <= 20, f"top_logprobs must be <= 20, got {p.top_logprobs}"),
+    ]
+    for ok, message in problems:
+        if not ok:
+            raise InvalidStep(f"sequence {seq_id!r}: {message}")
+
+
+def step_from_pb(pb: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
+    chunks = []
+    for c in pb.chunks:
+        sampling = sampling_from_pb(c.sampling) if c.HasField("sampling") else None
+        if sampling is not None:
+            check_sampling(c.seq_id, sampling, vocab_size)
+        chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
+                               sampling, c.num_prompt_tokens))
+    return StepInput(chunks, list(pb.free_seq_ids))
+
+
+def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> worker_pb2.StepResponse:
+    tokens = [
+        worker_pb2.SampledToken(
+            seq_id=r.seq_id, token_id=r.sampled.token_id, logprob=r.sampled.logprob,
+            top_logprobs=[worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in r.sampled.top_logprobs],
+        )
+        for r in results
+    ]
+    return worker_pb2.StepResponse(step_id=step_id, tokens=tokens, compute_seconds=seconds)
+
+
+# ---------------------------------------------------------------- the service
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runner: ModelRunner, info: worker_pb2.InfoResponse):
+        self.runner = runner
+        self.info = info
+        self.lock = threading.Lock()  # one step at a time: steps mutate the cache and sequence state
+
+    def Info(self, request, context):
+        return self.info
+
+    def Step(self, request, context):
+        step = step_from_pb(request, self.info.vocab_size)
+        with self.lock:
+            start = time.perf_counter()
+            results = self.runner.step(step)
+            return results_to_pb(request.step_id, results, time.perf_counter() - start)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb2.InfoResponse]:
+    """Load the model, size and allocate the KV cache, and describe it all for ``Info``."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    started = time.perf_counter()
+    loaded = load_model(cfg.model, device=device, dtype=dtype, max_model_len=cfg.max_model_len)
+    block_bytes = bytes_per_block(loaded.config, cfg.block_size, dtype)
+    num_blocks = kv_budget_bytes(device, cfg.kv_cache_bytes, cfg.gpu_memory_fraction) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"--kv-cache-bytes is smaller than one block ({block_bytes} bytes)")
+    cache = KVCache.allocate(loaded.config, cfg.block_size, num_blocks, device, dtype)
+    runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed)
+    log.info(
+        "loaded %s in %.2fs on %s (%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
+        loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."), num_blocks,
+        cfg.block_size, num_blocks * cfg.block_size, num_blocks * block_bytes / 2**20,
+    )
+    info = worker_pb2.InfoResponse(
+        model_name=loaded.name, vocab_size=loaded.config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids,
+        max_model_len=loaded.max_model_len, num_blocks=num_blocks, block_size=cfg.block_size,
+        dtype=str(dtype).removeprefix("torch."), device=str(device), block_bytes=block_bytes,
+        bos_token_id=loaded.tokenizer.bos_token_id,
+    )
+    return runner, loaded, info
+
+
+def serve(cfg: WorkerConfig) -> None:
+    server = grpc_util.make_server()
+    health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
+    runner, _loaded, info = build_runner(cfg)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner, info), server)
+    port = grpc_util.bind(server, cfg.host, cfg.port)
+    server.start()
+    grpc_util.set_serving(health, [SERVICE_NAME], True)
+    log.info("worker serving %s on %s:%d", info.model_name, cfg.host, port)
+    grpc_util.wait_for_termination(server, on_stop=lambda: grpc_util.set_serving(health, [SERVICE_NAME], False))
