@@ -13,10 +13,11 @@ from conveyor.model_files import ModelFileError
 
 def _serve_worker(args: argparse.Namespace) -> None:
     from worker_svc.config import WorkerConfig
+
+    cfg = from_args(WorkerConfig, args)  # bad flags fail here, before torch is imported
+    logging.getLogger().setLevel(cfg.log_level.upper())
     from worker_svc.server import serve
 
-    cfg = from_args(WorkerConfig, args)
-    logging.getLogger().setLevel(cfg.log_level.upper())
     serve(cfg)
 
 

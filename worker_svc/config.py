@@ -21,6 +21,11 @@ class WorkerConfig:
     kv_cache_bytes: int | None = setting(None, "KV cache budget, e.g. 512M or 4G (default: a share of free memory)", parse=parse_size)
     gpu_memory_fraction: float = setting(0.85, "share of free GPU memory the KV cache takes when --kv-cache-bytes is unset")
     max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens (default: the model's)")
+    cpu_kernels: str = setting(
+        "auto", "on the CPU: keep GGUF Q4_0/Q4_1/Q8_0 weights quantized and run the C kernels (auto: when the "
+        "CPU has AVX2 and a C compiler is present; off: dense fp32 PyTorch, the code CUDA runs)",
+        choices=("auto", "on", "off"),
+    )
     seed: int | None = setting(None, "seed of the worker's generator for unseeded requests")
     log_level: str = setting("INFO", "logging level")
 

@@ -131,12 +131,18 @@ def _needs_truncation(p: SamplingParams, vocab: int) -> bool:
     return p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0
 
 
+def _edits_logits(row: SampleRow) -> bool:
+    p = row.params
+    return bool(p.logit_bias) or p.has_penalties or (bool(p.stop_token_ids) and len(row.output_ids) < p.min_tokens)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None) -> list[Sampled]:
     """logits: (N, V) fp32, one row per entry of ``rows``. Returns one ``Sampled`` per row."""
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = logits.clone()
-    apply_bias_and_min_tokens(logits, rows)
-    apply_penalties(logits, rows)
+    raw = logits
+    if any(_edits_logits(row) for row in rows):
+        logits = logits.clone()
+        apply_bias_and_min_tokens(logits, rows)
+        apply_penalties(logits, rows)
     tokens = torch.argmax(logits, dim=-1)  # the answer for greedy rows
     vocab, device = logits.shape[1], logits.device
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -151,15 +157,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
             if p.seed is not None:
                 q[j] = _seeded_exponential(vocab, rows[i], device)
         tokens[drawn] = torch.argmax(torch.softmax(scaled, dim=-1) / q, dim=-1)
-    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    log_norm = torch.logsumexp(raw, dim=-1, keepdim=True)  # logprob = raw logit - log_norm
+    chosen = (raw.gather(1, tokens.unsqueeze(1)) - log_norm).squeeze(1)
     want_top = max((r.params.top_logprobs for r in rows), default=0)
-    top = torch.topk(raw_logprobs, want_top, dim=-1) if want_top else None
-    tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
-    top_vals = top.values.tolist() if top is not None else None
-    top_ids = top.indices.tolist() if top is not None else None
+    top_ids = top_vals = None
+    if want_top:
+        top = torch.topk(raw, want_top, dim=-1)
+        top_ids, top_vals = top.indices.tolist(), (top.values - log_norm).tolist()
     results = []
-    for i, row in enumerate(rows):
-        n = row.params.top_logprobs
+    for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist())):
+        n = rows[i].params.top_logprobs
         alternatives = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else []
-        results.append(Sampled(tokens_l[i], chosen_l[i], alternatives))
+        results.append(Sampled(token, logprob, alternatives))
     return results

