@@ -1,36 +1,132 @@
-"""The ``conveyor`` command: ``conveyor serve <service> [flags]`` runs one process of the stack."""
+"""The ``conveyor`` command.
+
+    conveyor up [flags]                   Redis + the four services + the default model, until Ctrl-C
+    conveyor serve <service> [flags]      one process: worker, scheduler, detokenizer or frontend
+    conveyor generate "prompt" [flags]    stream an answer from a running stack
+    conveyor chat [flags]                 an interactive chat with a running stack
+
+Every ``serve`` flag has an environment variable (``CONVEYOR_<SERVICE>_<FLAG>``); ``--help`` lists them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from conveyor.config import add_arguments, from_args
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, ConveyorError
 from conveyor.model_files import ModelFileError
 
+# service -> (module with its config, config class, env prefix, module with serve(cfg), help)
+SERVICES = {
+    "worker": ("worker_svc.config", "WorkerConfig", "worker_svc.server", "the model (weights, KV cache, forward, sampling)"),
+    "scheduler": ("scheduler_svc.config", "SchedulerConfig", "scheduler_svc.server", "queue, KV blocks, the step loop"),
+    "detokenizer": ("detokenizer_svc.config", "DetokenizerConfig", "detokenizer_svc.server", "text deltas, stop strings"),
+    "frontend": ("tokenizer_svc.config", "FrontendConfig", "tokenizer_svc.server", "the public API"),
+}
 
-def _serve_worker(args: argparse.Namespace) -> None:
-    from worker_svc.config import WorkerConfig
 
-    cfg = from_args(WorkerConfig, args)  # bad flags fail here, before torch is imported
+def _config_class(service: str):
+    module, name, _, _ = SERVICES[service]
+    loaded = importlib.import_module(module)
+    return getattr(loaded, name), loaded.ENV_PREFIX
+
+
+def _serve(args: argparse.Namespace) -> int:
+    cls, _ = _config_class(args.service)
+    cfg = from_args(cls, args)  # bad flags fail here, before heavy imports
     logging.getLogger().setLevel(cfg.log_level.upper())
-    from worker_svc.server import serve
+    importlib.import_module(SERVICES[args.service][2]).serve(cfg)
+    return 0
 
-    serve(cfg)
+
+def _up(args: argparse.Namespace) -> int:
+    from conveyor.launcher import UpConfig, run
+
+    cfg = from_args(UpConfig, args)
+    logging.getLogger().setLevel(cfg.log_level.upper())
+    return run(cfg)
+
+
+def _options(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "max_tokens", "seed")
+            if getattr(args, name) is not None} | ({"stop": args.stop} if args.stop else {})
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from conveyor.client import Client
+
+    with Client(args.target, timeout=args.timeout) as client:
+        last = None
+        for delta in client.stream(args.prompt, **_options(args)):
+            print(delta.text, end="", flush=True)
+            last = delta
+        print()
+        if last is not None:
+            print(f"[{last.finish_reason}: {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]",
+                  file=sys.stderr)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from conveyor.client import Client
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    with Client(args.target, timeout=args.timeout) as client:
+        print("Chat with the model; an empty line or Ctrl-D ends it.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            reply = []
+            for delta in client.stream(messages=messages, **_options(args)):
+                print(delta.text, end="", flush=True)
+                reply.append(delta.text)
+            print()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="127.0.0.1:50051", help="the frontend's address (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline of each call, in seconds")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from worker_svc.config import ENV_PREFIX as WORKER_ENV, WorkerConfig
+    from conveyor.launcher import ENV_PREFIX as UP_ENV, UpConfig
 
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor: an LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start Redis, the four services and the model; Ctrl-C stops them")
+    add_arguments(up, UpConfig, UP_ENV)
+    up.set_defaults(run=_up)
     serve = commands.add_parser("serve", help="run one service of the stack in this process")
     services = serve.add_subparsers(dest="service", required=True)
-    worker = services.add_parser("worker", help="the model worker (weights, KV cache, forward, sampling)")
-    add_arguments(worker, WorkerConfig, WORKER_ENV)
-    worker.set_defaults(run=_serve_worker)
+    for name, (_, _, _, help_text) in SERVICES.items():
+        sub = services.add_parser(name, help=help_text)
+        cls, env_prefix = _config_class(name)
+        add_arguments(sub, cls, env_prefix)
+        sub.set_defaults(run=_serve)
+    generate = commands.add_parser("generate", help="stream an answer to a prompt from a running stack")
+    generate.add_argument("prompt")
+    _client_flags(generate)
+    generate.set_defaults(run=_generate)
+    chat = commands.add_parser("chat", help="chat with a running stack (reads lines from stdin)")
+    chat.add_argument("--system", default="", help="a system message")
+    _client_flags(chat)
+    chat.set_defaults(run=_chat)
     return parser
 
 
@@ -38,11 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args = build_parser().parse_args(argv)
-        args.run(args)
+        return args.run(args)
     except (ConfigError, ModelFileError) as exc:
         print(f"conveyor: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    except ConveyorError as exc:
+        print(f"conveyor: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

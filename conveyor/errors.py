@@ -36,7 +36,33 @@ class Unavailable(ConveyorError):
     code = "UNAVAILABLE"
 
 
+class AlreadyExists(ConveyorError):
+    """A request with this id is in flight (or finished recently)."""
+
+    code = "ALREADY_EXISTS"
+
+
+class DeadlineExceeded(ConveyorError):
+    """The call's deadline passed before it finished."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(ConveyorError):
+    """The call was cancelled."""
+
+    code = "CANCELLED"
+
+
 class ConfigError(ConveyorError, ValueError):
     """A command-line flag or environment variable has a bad value; the message names the flag."""
 
     code = "INVALID_ARGUMENT"
+
+
+def error_for_code(code_name: str) -> type[ConveyorError]:
+    """The exception class for a gRPC status code name (``ConveyorError`` for codes without one)."""
+    for cls in (InvalidArgument, ResourceExhausted, NotFound, Unavailable, AlreadyExists, DeadlineExceeded, Cancelled):
+        if cls.code == code_name:
+            return cls
+    return ConveyorError

@@ -18,27 +18,76 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20
 
 
+class _Malformed:
+    """Stands in for a request whose bytes did not parse (e.g. a string that is not UTF-8)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, ConveyorError):
+        return getattr(grpc.StatusCode, exc.code), str(exc)
+    log.exception("unhandled error in %s", method)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
-    """The one place where typed errors become gRPC statuses (unexpected ones: INTERNAL, logged)."""
+    """The one place where typed errors become gRPC statuses: ``ConveyorError`` subclasses map to
+    their code, a request that does not parse to INVALID_ARGUMENT, anything else to INTERNAL
+    (logged with its traceback)."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler  # streaming handlers map their own errors with abort_for()
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # noqa: BLE001 - any parse failure is the client's malformed input
+                return _Malformed(exc)
+
+        def check(request, context) -> None:
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"malformed request for {method}: {request.error} (strings must be valid UTF-8)")
+
+        if handler.response_streaming:
+            inner_stream = handler.unary_stream
+
+            def streamed(request, context):
+                check(request, context)
+                try:
+                    yield from inner_stream(request, context)
+                except Exception as exc:  # noqa: BLE001
+                    context.abort(*_status(exc, method))
+
+            return grpc.unary_stream_rpc_method_handler(
+                streamed, request_deserializer=deserialize, response_serializer=handler.response_serializer
+            )
         inner = handler.unary_unary
 
-        def wrapped(request, context):
+        def unary(request, context):
+            check(request, context)
             try:
                 return inner(request, context)
-            except ConveyorError as exc:
-                context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-            except Exception as exc:  # noqa: BLE001 - the last line of defence; logged with traceback
-                log.exception("unhandled error in %s", handler_call_details.method)
-                context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001
+                context.abort(*_status(exc, method))
 
         return grpc.unary_unary_rpc_method_handler(
-            wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            unary, request_deserializer=deserialize, response_serializer=handler.response_serializer
         )
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Options for channels between our services (message size limits to match the servers')."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
 
 
 def make_server(max_workers: int = 8) -> grpc.Server:

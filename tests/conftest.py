@@ -43,3 +43,32 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A private redis-server on a free port (the Debian package), stopped at the end."""
+    import shutil
+    import subprocess
+
+    import redis
+    from helpers import free_port
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed (apt-get install -y redis-server)"
+    port = free_port()
+    folder = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            import time
+
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait()

@@ -42,6 +42,7 @@ class SeqChunk:
 class StepInput:
     chunks: list[SeqChunk]
     free_seq_ids: list[str] = field(default_factory=list)  # dropped before the chunks run
+    free_all: bool = False  # drop every sequence first (the scheduler restarted)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class ModelRunner:
         ids = [c.seq_id for c in step.chunks]
         if len(set(ids)) != len(ids):
             raise InvalidStep("a sequence appears twice in one step")
-        freed = set(step.free_seq_ids)
+        freed = set(self.seqs) if step.free_all else set(step.free_seq_ids)
         for c in step.chunks:
             self._check_chunk(c, known=c.seq_id in self.seqs and c.seq_id not in freed)
 
@@ -116,6 +117,8 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, step: StepInput) -> list[StepResult]:
         self._check(step)
+        if step.free_all:
+            self.seqs.clear()
         for seq_id in step.free_seq_ids:
             self.seqs.pop(seq_id, None)
         staged = {c.seq_id: self._staged_state(c) for c in step.chunks}

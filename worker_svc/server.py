@@ -76,7 +76,7 @@ def step_from_pb(pb: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
             check_sampling(c.seq_id, sampling, vocab_size)
         chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
                                sampling, c.num_prompt_tokens))
-    return StepInput(chunks, list(pb.free_seq_ids))
+    return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
 
 
 def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> worker_pb2.StepResponse:

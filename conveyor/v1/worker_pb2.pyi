@@ -88,14 +88,16 @@ class SequenceChunk(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "chunks", "free_seq_ids")
+    __slots__ = ("step_id", "chunks", "free_seq_ids", "free_all")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FREE_ALL_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     chunks: _containers.RepeatedCompositeFieldContainer[SequenceChunk]
     free_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[SequenceChunk, _Mapping]]] = ..., free_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    free_all: bool
+    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[SequenceChunk, _Mapping]]] = ..., free_seq_ids: _Optional[_Iterable[str]] = ..., free_all: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -1,0 +1,278 @@
+"""The Python client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) for a Conveyor server.
+
+    from conveyor.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        print(client.generate("The capital of France is", max_tokens=8, temperature=0).text)
+        for delta in client.stream("Tell me a story", max_tokens=64):
+            print(delta.text, end="", flush=True)
+
+Options (keyword arguments of ``generate``, ``stream`` and ``chat``): ``temperature``, ``top_k``,
+``top_p``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias`` ({token id: bias}), ``seed``, ``logprobs`` (alternatives per token), ``max_tokens``,
+``min_tokens``, ``stop`` (strings), ``stop_token_ids``, ``ignore_eos``,
+``include_stop_str_in_output``, ``request_id``, ``timeout`` (seconds, the call's deadline) and, for
+chat, ``add_generation_prompt``. Server errors are raised as the ``conveyor.errors`` class of
+their status code (``InvalidArgument``, ``ResourceExhausted``, ``DeadlineExceeded``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from conveyor.errors import ConveyorError, error_for_code
+from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc
+from conveyor.wire import FINISH_FROM_PB
+
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "logprobs")
+_STOP = ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+
+
+@dataclass
+class Delta:
+    """One piece of a streamed answer. ``finish_reason`` ("stop", "length", "abort") is set on the last."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    first_token_index: int
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """A whole answer: the deltas of one request put together."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @classmethod
+    def from_deltas(cls, deltas: list[Delta]) -> Completion:
+        last = deltas[-1]
+        return cls(
+            last.request_id, "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+            last.finish_reason, last.prompt_tokens, last.completion_tokens, [lp for d in deltas for lp in d.logprobs],
+        )
+
+
+def _chat_messages(messages: list[dict]) -> list[conveyor_pb2.ChatMessage]:
+    return [conveyor_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+def build_request(prompt: str | None = None, messages: list[dict] | None = None, *, request_id: str | None = None,
+                  logit_bias: dict[int, float] | None = None, stop: list[str] | str | None = None,
+                  stop_token_ids: list[int] | None = None, add_generation_prompt: bool | None = None,
+                  **options) -> conveyor_pb2.GenerateRequest:
+    """The ``GenerateRequest`` for a prompt or chat ``messages`` and the options above."""
+    unknown = set(options) - set(_SAMPLING) - set(_STOP)
+    if unknown:
+        raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
+    request = conveyor_pb2.GenerateRequest(request_id=request_id or "")
+    if prompt is not None:
+        request.prompt = prompt
+    if messages is not None:
+        request.chat.messages.extend(_chat_messages(messages))
+        if add_generation_prompt is not None:
+            request.chat.add_generation_prompt = add_generation_prompt
+    for name in _SAMPLING:
+        if options.get(name) is not None:
+            setattr(request.sampling, name, options[name])
+    for name in _STOP:
+        if options.get(name) is not None:
+            setattr(request.stop, name, options[name])
+    if logit_bias:
+        request.sampling.logit_bias.update({int(k): float(v) for k, v in logit_bias.items()})
+    if stop:
+        request.stop.stop.extend([stop] if isinstance(stop, str) else stop)
+    if stop_token_ids:
+        request.stop.stop_token_ids.extend(stop_token_ids)
+    return request
+
+
+def build_tokenize_request(prompt: str | None, messages: list[dict] | None) -> conveyor_pb2.TokenizeRequest:
+    request = conveyor_pb2.TokenizeRequest()
+    if prompt is not None:
+        request.prompt = prompt
+    if messages is not None:
+        request.chat.messages.extend(_chat_messages(messages))
+    return request
+
+
+def _delta(pb: conveyor_pb2.GenerateResponse) -> Delta:
+    logprobs = [TokenLogprob(lp.token_id, lp.logprob, [(a.token_id, a.logprob) for a in lp.top]) for lp in pb.logprobs]
+    return Delta(pb.request_id, pb.text, list(pb.token_ids), pb.first_token_index, FINISH_FROM_PB[pb.finish_reason],
+                 pb.prompt_tokens, pb.completion_tokens, logprobs)
+
+
+def _error(exc: grpc.RpcError) -> ConveyorError:
+    return error_for_code(exc.code().name)(exc.details() or exc.code().name)
+
+
+class Stream:
+    """An iterator of ``Delta``s; ``cancel()`` (or leaving a ``with`` block early) aborts the request."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            for message in self._call:
+                yield _delta(message)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def cancel(self) -> None:
+        """Stop the stream; the server aborts the request and frees its cache within a step."""
+        self._call.cancel()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+
+class Client:
+    """A blocking client. ``timeout`` is the default deadline of every call, in seconds (None: none)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel: grpc.Channel | None = None):
+        self.channel = channel or grpc.insecure_channel(target)
+        self.stub = conveyor_pb2_grpc.ConveyorStub(self.channel)
+        self.timeout = timeout
+
+    def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+               timeout: float | None = None, **options) -> Stream:
+        """Start generating; iterate the result for ``Delta``s as they are produced."""
+        request = build_request(prompt, messages, **options)
+        return Stream(self.stub.Generate(request, timeout=timeout or self.timeout))
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 timeout: float | None = None, **options) -> Completion:
+        """Generate and wait for the whole answer."""
+        return Completion.from_deltas(list(self.stream(prompt, messages=messages, timeout=timeout, **options)))
+
+    def chat(self, messages: list[dict], *, timeout: float | None = None, **options) -> Completion:
+        """Generate the assistant's reply to ``messages`` ([{"role": "user", "content": ...}, ...])."""
+        return self.generate(messages=messages, timeout=timeout, **options)
+
+    def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        """Abort a request in flight by id (its stream ends with finish_reason "abort")."""
+        return self._unary(self.stub.Abort, conveyor_pb2.AbortRequest(request_id=request_id), timeout).aborted
+
+    def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 timeout: float | None = None) -> list[int]:
+        """The token ids the server would feed the model for a prompt or a chat."""
+        request = build_tokenize_request(prompt, messages)
+        return list(self._unary(self.stub.Tokenize, request, timeout).token_ids)
+
+    def server_info(self, timeout: float | None = None) -> conveyor_pb2.ServerInfoResponse:
+        """The served model and the server's limits."""
+        return self._unary(self.stub.ServerInfo, conveyor_pb2.ServerInfoRequest(), timeout)
+
+    def _unary(self, method, request, timeout):
+        try:
+            return method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncStream:
+    """An async iterator of ``Delta``s; ``cancel()`` aborts the request."""
+
+    def __init__(self, call):
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            async for message in self._call:
+                yield _delta(message)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def cancel(self) -> None:
+        """Stop the stream; the server aborts the request."""
+        self._call.cancel()
+
+
+class AsyncClient:
+    """The asyncio twin of ``Client`` (same methods, awaitable)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None):
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = conveyor_pb2_grpc.ConveyorStub(self.channel)
+        self.timeout = timeout
+
+    def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+               timeout: float | None = None, **options) -> AsyncStream:
+        """Start generating; ``async for`` over the result for ``Delta``s."""
+        request = build_request(prompt, messages, **options)
+        return AsyncStream(self.stub.Generate(request, timeout=timeout or self.timeout))
+
+    async def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                       timeout: float | None = None, **options) -> Completion:
+        """Generate and wait for the whole answer."""
+        deltas = [d async for d in self.stream(prompt, messages=messages, timeout=timeout, **options)]
+        return Completion.from_deltas(deltas)
+
+    async def chat(self, messages: list[dict], *, timeout: float | None = None, **options) -> Completion:
+        """Generate the assistant's reply to ``messages``."""
+        return await self.generate(messages=messages, timeout=timeout, **options)
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        """Abort a request in flight by id."""
+        return (await self._unary(self.stub.Abort, conveyor_pb2.AbortRequest(request_id=request_id), timeout)).aborted
+
+    async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                       timeout: float | None = None) -> list[int]:
+        """The token ids the server would feed the model."""
+        request = build_tokenize_request(prompt, messages)
+        return list((await self._unary(self.stub.Tokenize, request, timeout)).token_ids)
+
+    async def server_info(self, timeout: float | None = None) -> conveyor_pb2.ServerInfoResponse:
+        """The served model and the server's limits."""
+        return await self._unary(self.stub.ServerInfo, conveyor_pb2.ServerInfoRequest(), timeout)
+
+    async def _unary(self, method, request, timeout):
+        try:
+            return await method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    async def close(self) -> None:
+        """Close the channel."""
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,225 @@
+"""``conveyor up``: Redis and the four services as child processes, watched until Ctrl-C.
+
+Starts a private ``redis-server`` (append-only file in ``--data-dir``) unless ``--redis-url`` is
+given, then the worker, detokenizer, scheduler and frontend (``conveyor serve <service>``), waits
+until each reports SERVING on ``grpc.health.v1``, and prints the endpoint. Ctrl-C or SIGTERM stops
+everything (frontend first); a child that exits brings the whole stack down with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conveyor.config import parse_size, require, setting
+from conveyor.errors import ConfigError
+
+log = logging.getLogger("conveyor.up")
+ENV_PREFIX = "CONVEYOR_UP_"
+
+
+@dataclass
+class UpConfig:
+    model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a .gguf file, or a Hugging Face folder")
+    host: str = setting("127.0.0.1", "address of the public API (0.0.0.0 to accept other machines)")
+    port: int = setting(50051, "port of the public API")
+    redis_url: str = setting("", "use this Redis instead of starting a private redis-server")
+    data_dir: str = setting("", "folder of the private Redis's append-only file (default: a temporary folder)")
+    worker_port: int = setting(50053, "worker port (0: any free port)")
+    scheduler_port: int = setting(50052, "scheduler port (0: any free port)")
+    detokenizer_port: int = setting(50054, "detokenizer port (0: any free port)")
+    deliver_port: int = setting(50055, "frontend's internal Deliver port (0: any free port)")
+    device: str = setting("auto", "worker device: auto, cpu, cuda or cuda:N")
+    kv_cache_bytes: int | None = setting(None, "worker KV cache budget, e.g. 512M", parse=parse_size)
+    block_size: int = setting(16, "tokens per KV block")
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)")
+    max_num_batched_tokens: int = setting(0, "tokens per step (0: by device)")
+    max_num_seqs: int = setting(0, "running requests (0: by device)")
+    max_waiting: int = setting(1024, "waiting-queue bound")
+    finished_ttl: float = setting(600.0, "seconds finished requests stay in Redis")
+    redis_prefix: str = setting("conveyor", "prefix of every Redis key")
+    log_level: str = setting("INFO", "logging level of every service")
+    ready_timeout: float = setting(300.0, "seconds to wait for every service to report SERVING")
+
+    def __post_init__(self):
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(self.ready_timeout > 0, "ready_timeout", "must be > 0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    health: str | None = None  # address to poll, None for Redis
+    service: str = ""
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Stack:
+    """The running processes, in start order."""
+
+    children: list[Child] = field(default_factory=list)
+    endpoint: str = ""
+    redis_url: str = ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.terminate()
+        deadline = time.monotonic() + timeout
+        for child in reversed(self.children):
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+    def dead(self) -> Child | None:
+        return next((c for c in self.children if c.process.poll() is not None), None)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        """Start a child again with its own command line (after it died) and wait until SERVING."""
+        child = self.child(name)
+        if child.process.poll() is None:
+            child.process.kill()
+            child.process.wait()
+        child.process = subprocess.Popen(child.argv)
+        _wait_serving(child, time.monotonic() + timeout)
+
+
+def _serve(service: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "conveyor.cli", "serve", service, *flags]
+
+
+def _wait_serving(child: Child, deadline: float) -> None:
+    with grpc.insecure_channel(child.health) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if child.process.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with status {child.process.returncode} while starting")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=child.service), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{child.name} did not report SERVING within the ready timeout")
+
+
+def _start_redis(cfg: UpConfig, stack: Stack) -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ConfigError("redis-server is not installed (apt-get install -y redis-server), or pass --redis-url")
+    port = free_port()
+    data = Path(cfg.data_dir) if cfg.data_dir else Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
+    data.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
+         "--save", "", "--daemonize", "no", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL,
+    )
+    stack.children.append(Child("redis", process))
+    import redis  # noqa: PLC0415 - only the launcher needs to ping
+
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            return f"redis://127.0.0.1:{port}/0"
+        except redis.exceptions.ConnectionError:
+            if process.poll() is not None:
+                raise RuntimeError("redis-server exited while starting") from None
+            time.sleep(0.05)
+    raise TimeoutError("redis-server did not answer")
+
+
+def start(cfg: UpConfig) -> Stack:
+    """Start Redis and the services, wait until all are SERVING; the caller stops the stack."""
+    stack = Stack()
+    try:
+        stack.redis_url = cfg.redis_url or _start_redis(cfg, stack)
+        ports = {name: getattr(cfg, f"{name}_port") or free_port()
+                 for name in ("worker", "scheduler", "detokenizer", "deliver")}
+        address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+        common = ["--log-level", cfg.log_level]
+        redis_flags = ["--redis-url", stack.redis_url, "--redis-prefix", cfg.redis_prefix]
+        worker_flags = ["--model", cfg.model, "--port", str(ports["worker"]), "--device", cfg.device,
+                        "--block-size", str(cfg.block_size), *common]
+        if cfg.kv_cache_bytes is not None:
+            worker_flags += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]
+        if cfg.max_model_len is not None:
+            worker_flags += ["--max-model-len", str(cfg.max_model_len)]
+        plan = [
+            ("worker", worker_flags, address["worker"], "conveyor.v1.Worker"),
+            ("detokenizer", ["--model", cfg.model, "--port", str(ports["detokenizer"]), "--scheduler",
+                             address["scheduler"], *redis_flags, *common], address["detokenizer"], "conveyor.v1.Detokenizer"),
+            ("scheduler", ["--port", str(ports["scheduler"]), "--worker", address["worker"], "--detokenizer",
+                           address["detokenizer"], "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+                           "--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),
+                           "--finished-ttl", str(cfg.finished_ttl), *redis_flags, *common],
+             address["scheduler"], "conveyor.v1.Scheduler"),
+            ("frontend", ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port), "--internal-port",
+                          str(ports["deliver"]), "--scheduler", address["scheduler"], *redis_flags, *common],
+             f"127.0.0.1:{cfg.port}", "conveyor.v1.Conveyor"),
+        ]
+        for name, flags, health, service in plan:
+            argv = _serve(name, *flags)
+            stack.children.append(Child(name, subprocess.Popen(argv), health, service, argv))
+        deadline = time.monotonic() + cfg.ready_timeout
+        for child in stack.children:
+            if child.health:
+                _wait_serving(child, deadline)
+        stack.endpoint = f"{cfg.host}:{cfg.port}"
+        return stack
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def run(cfg: UpConfig) -> int:
+    """``conveyor up``: start, print the endpoint, watch; returns the exit status."""
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack = start(cfg)
+    print(f"Conveyor is serving {cfg.model} at {stack.endpoint} (Redis {stack.redis_url}). Ctrl-C stops it.",
+          flush=True)
+    print(f'  try: conveyor generate --target {stack.endpoint} "The capital of France is"', flush=True)
+    status = 0
+    while not stopping:
+        dead = stack.dead()
+        if dead is not None:
+            log.error("%s exited with status %s; stopping the stack", dead.name, dead.process.returncode)
+            status = 1
+            break
+        time.sleep(0.2)
+    stack.stop()
+    return status
+

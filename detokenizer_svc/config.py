@@ -1,0 +1,23 @@
+"""Settings of ``conveyor serve detokenizer`` (flags and ``CONVEYOR_DETOKENIZER_*`` environment variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.config import require, setting
+
+ENV_PREFIX = "CONVEYOR_DETOKENIZER_"
+
+
+@dataclass
+class DetokenizerConfig:
+    model: str = setting("default", "the model whose tokenizer to use (as the worker's --model)")
+    host: str = setting("127.0.0.1", "address to listen on (internal service: localhost by default)")
+    port: int = setting(50054, "gRPC port")
+    scheduler: str = setting("127.0.0.1:50052", "address of the scheduler (told when a stop string matches)")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state")
+    redis_prefix: str = setting("conveyor", "prefix of every Redis key")
+    log_level: str = setting("INFO", "logging level")
+
+    def __post_init__(self):
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")

@@ -1,0 +1,137 @@
+"""Per-request decode state: token batches in, text deltas (grouped by frontend) out.
+
+A request the detokenizer has not seen is read from Redis (its frontend, stop strings, prompt
+length, and the output tokens already generated): a new request and one in flight before a restart
+go down the same path. Tokens arrive with their output index, so a resend is skipped and a gap is
+filled from Redis. Deltas carry text and token offsets, so the frontend can drop what its client
+already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from conveyor.messages import Delta
+from conveyor.params import RequestParams
+from conveyor.state import RequestStore
+from conveyor.tokenizer import ModelTokenizer
+from detokenizer_svc.incremental import IncrementalDetokenizer, StopMatcher
+
+log = logging.getLogger("conveyor.detokenizer")
+REMEMBER_FINISHED = 10_000  # ids of finished requests kept to ignore late tokens
+
+
+@dataclass
+class TokenEntry:
+    """New tokens of one request from one step (a detokenizer_pb2.RequestTokens)."""
+
+    request_id: str
+    first_index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stopped_by_token: bool = False
+    logprobs: list = field(default_factory=list)  # per token, in the wire format (passed through)
+
+
+@dataclass
+class Stream:
+    request_id: str
+    frontend: str
+    params: RequestParams
+    prompt_tokens: int
+    detok: IncrementalDetokenizer
+    matcher: StopMatcher
+    num_tokens: int = 0  # tokens taken in (the next expected index)
+
+    def delta(self) -> Delta:
+        return Delta(self.request_id, self.matcher.emitted, first_token_index=self.num_tokens)
+
+
+class DetokenizerCore:
+    def __init__(self, tokenizer: ModelTokenizer, store: RequestStore, on_stop: Callable[[str, int], None]):
+        """``on_stop(request_id, num_tokens)`` tells the scheduler a stop string ended the request."""
+        self.tokenizer = tokenizer
+        self.store = store
+        self.on_stop = on_stop
+        self.streams: dict[str, Stream] = {}
+        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def push(self, entries: list[TokenEntry]) -> dict[str, list[Delta]]:
+        """Process one step's tokens; returns deltas by frontend address."""
+        by_frontend: dict[str, list[Delta]] = {}
+        with self.lock:
+            for entry in entries:
+                if entry.request_id in self.finished:
+                    continue
+                stream = self.streams.get(entry.request_id) or self._open(entry)
+                if stream is None:
+                    continue
+                for delta in self._process(stream, entry):
+                    by_frontend.setdefault(stream.frontend, []).append(delta)
+        return by_frontend
+
+    def forget(self, request_id: str) -> None:
+        with self.lock:
+            self._close(request_id)
+
+    def _open(self, entry: TokenEntry) -> Stream | None:
+        record = self.store.get(entry.request_id)
+        if record is None:
+            log.warning("tokens for %s, which Redis does not know; dropped", entry.request_id)
+            return None
+        p = record.params
+        stream = Stream(entry.request_id, record.frontend, p, len(record.prompt_ids),
+                        IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop, p.include_stop_str_in_output))
+        self.streams[entry.request_id] = stream
+        if entry.first_index > 0:  # tokens from before a restart (or a lost batch): replay them first
+            earlier = record.output_ids[: entry.first_index]
+            entry.token_ids = earlier + entry.token_ids[max(0, len(earlier) - entry.first_index):]
+            entry.logprobs = [None] * len(earlier) + entry.logprobs if entry.logprobs else []
+            entry.first_index = 0
+        return stream
+
+    def _process(self, stream: Stream, entry: TokenEntry) -> list[Delta]:
+        skip = stream.num_tokens - entry.first_index
+        if skip < 0:  # a gap: a batch went missing; take the missing tokens from Redis
+            record = self.store.get(entry.request_id)
+            missing = record.output_ids[stream.num_tokens : entry.first_index] if record else []
+            entry = TokenEntry(entry.request_id, stream.num_tokens, missing + entry.token_ids, entry.finish_reason,
+                               entry.stopped_by_token, [None] * len(missing) + entry.logprobs if entry.logprobs else [])
+            skip = 0
+        delta = stream.delta()
+        tokens = entry.token_ids[skip:]
+        logprobs = entry.logprobs[skip:] if entry.logprobs else []
+        for i, token in enumerate(tokens):
+            silent = entry.stopped_by_token and i == len(tokens) - 1  # the eos / stop token has no text
+            text, stopped = stream.matcher.feed("" if silent else stream.detok.add(token))
+            delta.text += text
+            delta.token_ids.append(token)
+            if logprobs:
+                delta.logprobs.append(logprobs[i])
+            stream.num_tokens += 1
+            if stopped:
+                self.on_stop(stream.request_id, stream.num_tokens)
+                return [self._final(stream, delta, "stop")]
+        if entry.finish_reason is not None:  # the scheduler ended it: let out everything held back
+            text, stopped = stream.matcher.feed(stream.detok.flush())
+            delta.text += text if stopped else text + stream.matcher.release()
+            return [self._final(stream, delta, "stop" if stopped else entry.finish_reason)]
+        return [delta] if delta.text or delta.token_ids else []
+
+    def _final(self, stream: Stream, delta: Delta, reason: str) -> Delta:
+        delta.finish_reason = reason
+        delta.prompt_tokens = stream.prompt_tokens
+        delta.completion_tokens = stream.num_tokens
+        self._close(stream.request_id)
+        return delta
+
+    def _close(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+        self.finished[request_id] = None
+        while len(self.finished) > REMEMBER_FINISHED:
+            self.finished.popitem(last=False)

@@ -1,0 +1,36 @@
+"""Settings of ``conveyor serve scheduler`` (flags and ``CONVEYOR_SCHEDULER_*`` environment variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.config import require, setting
+
+ENV_PREFIX = "CONVEYOR_SCHEDULER_"
+
+
+@dataclass
+class SchedulerConfig:
+    host: str = setting("127.0.0.1", "address to listen on (internal service: localhost by default)")
+    port: int = setting(50052, "gRPC port")
+    worker: str = setting("127.0.0.1:50053", "address of the worker")
+    detokenizer: str = setting("127.0.0.1:50054", "address of the detokenizer")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state")
+    redis_prefix: str = setting("conveyor", "prefix of every Redis key")
+    finished_ttl: float = setting(600.0, "seconds a finished request's record stays in Redis")
+    max_num_batched_tokens: int = setting(0, "tokens one step may compute (0: 512 on a CPU worker, 8192 on a GPU)")
+    max_num_seqs: int = setting(0, "most requests running at once (0: 64 on a CPU worker, 256 on a GPU)")
+    max_waiting: int = setting(1024, "most requests waiting; beyond it Submit returns RESOURCE_EXHAUSTED")
+    log_level: str = setting("INFO", "logging level")
+
+    def __post_init__(self):
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(self.max_num_batched_tokens >= 0, "max_num_batched_tokens", "must be >= 0")
+        require(self.max_num_seqs >= 0, "max_num_seqs", "must be >= 0")
+        require(self.max_waiting >= 1, "max_waiting", "must be >= 1")
+        require(self.finished_ttl > 0, "finished_ttl", "must be > 0")
+
+    def limits(self, device: str) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs), filling the 0 = auto values for the worker's device."""
+        gpu = device.startswith("cuda")
+        return (self.max_num_batched_tokens or (8192 if gpu else 512), self.max_num_seqs or (256 if gpu else 64))

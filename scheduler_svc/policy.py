@@ -1,0 +1,233 @@
+"""Continuous batching: what each engine step computes, and what its results change.
+
+Each step has two limits: ``max_num_batched_tokens`` (tokens one forward may process) and the
+free KV blocks; ``max_num_seqs`` caps the running set. Order (vLLM v1's):
+
+1. Running requests, oldest first: one decode token each, or the next chunk of a prompt that is
+   still being prefilled. A request that needs a block when none is free makes the *newest*
+   running request give up its blocks (preemption: it goes back to the front of the queue and is
+   recomputed from prompt + tokens so far when readmitted). A request the token budget cannot
+   reach this step simply sits out and keeps its blocks.
+2. Waiting requests, first come first served, while budget, sequence cap and blocks allow (not in
+   a step that had to preempt). A long prompt is admitted with its first chunk.
+
+Finished, aborted and preempted requests free their blocks at once; the worker is told to forget
+them in the next step. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from conveyor.errors import ResourceExhausted
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.request import Request, Status
+
+
+@dataclass
+class Chunk:
+    """One request's share of a step (becomes a worker SequenceChunk)."""
+
+    request: Request
+    token_ids: list[int]
+    start_pos: int
+    new_blocks: list[int]
+    sample: bool
+
+    @property
+    def registers(self) -> bool:
+        return self.start_pos == 0
+
+
+@dataclass
+class StepPlan:
+    step: int
+    chunks: list[Chunk]
+    free_ids: list[str]  # the worker forgets these first
+    free_all: bool = False
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.chunks or self.free_ids or self.free_all)
+
+
+@dataclass
+class Output:
+    """What one request got in one step (new tokens and/or its end)."""
+
+    request: Request
+    first_index: int
+    token_ids: list[int]
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    trim: bool = False  # output was cut back (a stop string matched): Redis must drop the tail
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    preemptions: int = 0
+    aborts: int = 0
+    finished: int = 0
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_waiting: int):
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.to_free: list[str] = []  # told to the worker in the next step
+        self.free_all = False
+        self.preempted: list[Request] = []  # since the last plan (their Redis status goes back to waiting)
+        self.counters = Counters()
+
+    # ------------------------------------------------------------ arrivals and departures
+
+    def add(self, request: Request, force: bool = False) -> bool:
+        """Queue a request; False if the id is already held. ``force`` skips the queue bound (recovery)."""
+        if request.request_id in self.requests:
+            return False
+        if not force and len(self.waiting) >= self.max_waiting:
+            raise ResourceExhausted(f"the waiting queue is full ({self.max_waiting} requests; --max-waiting)")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return True
+
+    def abort(self, request_id: str) -> Output | None:
+        """End a request now and free its blocks; its Output is for Redis and the detokenizer."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.counters.aborts += 1
+        return self._finish(request, "abort")
+
+    def finish_at(self, request_id: str, num_tokens: int) -> Output | None:
+        """A stop string matched after ``num_tokens`` output tokens: end the request there."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        trimmed = len(request.output_ids) > num_tokens
+        del request.output_ids[num_tokens:]
+        del request.logprobs[num_tokens:]
+        output = self._finish(request, "stop")
+        output.trim = trimmed
+        return output
+
+    def _finish(self, request: Request, reason: str) -> Output:
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        self._drop(request)
+        self.counters.finished += 1
+        return Output(request, len(request.output_ids), [], finish_reason=reason)
+
+    def _drop(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if self.blocks.release(request.request_id):  # it holds blocks: the worker knows it
+            self.to_free.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.release(request.request_id)
+        self.to_free.append(request.request_id)
+        request.status = Status.WAITING
+        request.num_computed = 0
+        self.waiting.appendleft(request)
+        self.preempted.append(request)
+        self.counters.preemptions += 1
+
+    def reset_worker(self) -> None:
+        """The worker lost its state (restarted, or a step failed): recompute everything running."""
+        for request in reversed(self.running[:]):
+            self._preempt(request)
+        self.to_free.clear()
+        self.free_all = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.to_free or self.free_all)
+
+    # ------------------------------------------------------------ one step
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        preempted = False
+        for request in list(self.running):
+            if budget == 0 or request.status is not Status.RUNNING:
+                break
+            n = min(request.num_pending, budget)
+            end = request.num_computed + n
+            while not self.blocks.can_grow(request.request_id, end):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING:
+                break
+            chunks.append(self._chunk(request, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            n = min(request.num_pending, budget)
+            if not self.blocks.can_grow(request.request_id, n):
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, n))
+            budget -= n
+        plan = StepPlan(self.counters.steps + 1, chunks, self.to_free, self.free_all, self.preempted)
+        if not plan.empty:
+            self.counters.steps += 1
+        self.to_free, self.free_all, self.preempted = [], False, []
+        return plan
+
+    def _chunk(self, request: Request, n: int) -> Chunk:
+        start = request.num_computed
+        new_blocks = self.blocks.grow(request.request_id, start + n)
+        return Chunk(request, request.tokens(start, start + n), start, new_blocks, sample=start + n == request.num_tokens)
+
+    def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None) -> list[Output]:
+        """Apply a step's results: ``sampled`` maps request id -> (token id, logprobs or None).
+
+        Requests aborted or finished while the step ran are skipped (their results are dropped)."""
+        now = time.time() if now is None else now
+        outputs = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status is not Status.RUNNING or self.requests.get(request.request_id) is not request:
+                continue
+            request.num_computed = chunk.start_pos + len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            token, logprobs = sampled[request.request_id]
+            index = len(request.output_ids)
+            request.output_ids.append(token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            output = Output(request, index, [token], [logprobs] if logprobs is not None else [])
+            reason = request.finish_check(self.max_model_len)
+            if reason is not None:
+                request.status = Status.FINISHED
+                request.finish_reason = reason
+                self._drop(request)
+                self.counters.finished += 1
+                output.finish_reason = reason
+            outputs.append(output)
+        return outputs

@@ -1,0 +1,64 @@
+"""A request as the scheduler tracks it: a small state machine over its token history."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from conveyor.params import RequestParams
+from conveyor.state import RequestRecord
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued: new, or preempted (its KV was freed; it will be recomputed)
+    RUNNING = "running"  # holds KV blocks and is scheduled every step the budget allows
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: RequestParams
+    stop_ids: tuple[int, ...]  # eos (unless ignore_eos) and the request's stop token ids
+    arrival: float
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # one entry per output token when asked
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens of prompt + output whose KV the worker holds
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    stopped_by_token: bool = False
+
+    @classmethod
+    def from_record(cls, record: RequestRecord, eos_token_ids: tuple[int, ...]) -> Request:
+        """From Redis: a new request, or one in flight before a restart (recomputed from its tokens)."""
+        return cls(
+            record.request_id, record.prompt_ids, record.params, record.params.stop_ids(eos_token_ids),
+            record.arrival, output_ids=list(record.output_ids), first_token_time=record.first_token,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output: every token whose KV the worker needs before sampling the next one."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens not yet computed (the prompt's rest, a recompute, or the last sampled token)."""
+        return self.num_tokens - self.num_computed
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end] if start < n else self.output_ids[start - n : end - n]
+
+    def finish_check(self, max_model_len: int) -> str | None:
+        """After a new token: "stop", "length" or None (the worker masks stop ids before min_tokens)."""
+        if self.output_ids[-1] in self.stop_ids and len(self.output_ids) >= self.params.min_tokens:
+            self.stopped_by_token = True
+            return "stop"
+        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

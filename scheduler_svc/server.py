@@ -1,0 +1,210 @@
+"""``conveyor serve scheduler``: the Scheduler gRPC service, the worker client and the detokenizer feed.
+
+Protobuf is converted to the engine's dataclasses here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from conveyor import grpc_util
+from conveyor.errors import Unavailable
+from conveyor.state import RequestStore
+from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from conveyor.v1 import worker_pb2, worker_pb2_grpc
+from conveyor.wire import FINISH_TO_PB, logprobs_to_pb
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.policy import Output, Scheduler, StepPlan
+from scheduler_svc.request import Request, Status
+
+log = logging.getLogger("conveyor.scheduler")
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+STEP_TIMEOUT = 600.0
+
+
+# ---------------------------------------------------------------- protobuf <-> dataclasses
+
+
+def sampling_pb(request: Request) -> worker_pb2.SamplingParams:
+    p = request.params
+    return worker_pb2.SamplingParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, seed=p.seed, min_tokens=p.min_tokens,
+        stop_token_ids=request.stop_ids, top_logprobs=p.logprobs or 0,
+    )
+
+
+def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
+    chunks = []
+    for c in plan.chunks:
+        chunk = worker_pb2.SequenceChunk(seq_id=c.request.request_id, token_ids=c.token_ids, start_pos=c.start_pos,
+                                         new_block_ids=c.new_blocks, sample=c.sample)
+        if c.registers:
+            chunk.sampling.CopyFrom(sampling_pb(c.request))
+            chunk.num_prompt_tokens = len(c.request.prompt_ids)
+        chunks.append(chunk)
+    return worker_pb2.StepRequest(step_id=plan.step, chunks=chunks, free_seq_ids=plan.free_ids, free_all=plan.free_all)
+
+
+def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> dict[str, tuple[int, object]]:
+    wants = {c.request.request_id: c.request.params.logprobs is not None for c in plan.chunks}
+    out = {}
+    for t in reply.tokens:
+        logprobs = (t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs]) if wants.get(t.seq_id) else None
+        out[t.seq_id] = (t.token_id, logprobs)
+    return out
+
+
+def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatch:
+    entries = []
+    for o in outputs:
+        entries.append(detokenizer_pb2.RequestTokens(
+            request_id=o.request.request_id, first_index=o.first_index, token_ids=o.token_ids,
+            finish_reason=FINISH_TO_PB[o.finish_reason],
+            stopped_by_token=o.finish_reason == "stop" and o.request.stopped_by_token,
+            logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(o.token_ids, o.logprobs)],
+        ))
+    return detokenizer_pb2.TokenBatch(step=step, requests=entries)
+
+
+# ---------------------------------------------------------------- the detokenizer feed
+
+
+class Publisher:
+    """Sends token batches to the detokenizer in order, from its own thread, retrying while it is down.
+
+    The step loop never waits for the detokenizer."""
+
+    def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub):
+        self.stub = stub
+        self.queue: queue.Queue[detokenizer_pb2.TokenBatch] = queue.Queue()
+        threading.Thread(target=self._run, name="publisher", daemon=True).start()
+
+    def __call__(self, step: int, outputs: list[Output]) -> None:
+        self.queue.put(outputs_to_pb(step, outputs))
+
+    def _run(self) -> None:
+        while True:
+            batch = self.queue.get()
+            backoff = 0.05
+            while True:
+                try:
+                    self.stub.Push(batch, timeout=30)
+                    break
+                except grpc.RpcError as exc:
+                    log.warning("detokenizer push of step %d failed (%s); retrying", batch.step, exc.code())
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+
+
+# ---------------------------------------------------------------- the service
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    """Registered before the server starts; answers UNAVAILABLE until ``ready`` hands it the engine."""
+
+    def __init__(self):
+        self._engine: Engine | None = None
+        self.info = scheduler_pb2.SchedulerInfoResponse()
+
+    def ready(self, engine: Engine, info: scheduler_pb2.SchedulerInfoResponse) -> None:
+        self.info, self._engine = info, engine
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise Unavailable("the scheduler is still waiting for its worker")
+        return self._engine
+
+    def Submit(self, request, context):
+        return scheduler_pb2.SubmitResponse(waiting=self.engine.submit(request.request_id))
+
+    def Abort(self, request, context):
+        return scheduler_pb2.SchedulerAbortResponse(aborted=self.engine.abort(request.request_id))
+
+    def Finish(self, request, context):
+        self.engine.finish(request.request_id, request.num_tokens)
+        return scheduler_pb2.FinishResponse()
+
+    def Info(self, request, context):
+        self.engine  # noqa: B018 - raises Unavailable until ready
+        return self.info
+
+    def Stats(self, request, context):
+        engine = self.engine
+        with engine.cond:
+            s = engine.scheduler
+            held = [*s.waiting, *s.running]
+            states = [
+                scheduler_pb2.RequestState(request_id=r.request_id, status=r.status.value,
+                                           num_blocks=len(s.blocks.table(r.request_id)),
+                                           num_output_tokens=len(r.output_ids))
+                for r in held if r.status is not Status.FINISHED
+            ]
+            return scheduler_pb2.StatsResponse(
+                steps=s.counters.steps, running=len(s.running), waiting=len(s.waiting),
+                num_blocks=s.blocks.num_blocks, free_blocks=s.blocks.num_free, preemptions=s.counters.preemptions,
+                aborts=s.counters.aborts, finished=s.counters.finished, requests=states, worker_up=engine.worker_up,
+            )
+
+
+def worker_info(stub: worker_pb2_grpc.WorkerStub, address: str) -> worker_pb2.InfoResponse:
+    """The worker's Info, waiting (with a log line now and then) until it answers."""
+    waited = 0.0
+    while True:
+        try:
+            return stub.Info(worker_pb2.InfoRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            if waited % 10 < 0.5:
+                log.info("waiting for the worker at %s (%s)", address, exc.code())
+            time.sleep(0.5)
+            waited += 0.5
+
+
+def build_engine(cfg: SchedulerConfig) -> tuple[Engine, scheduler_pb2.SchedulerInfoResponse]:
+    worker = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(cfg.worker, options=grpc_util.channel_options()))
+    info = worker_info(worker, cfg.worker)
+    max_len = min(info.max_model_len, info.num_blocks * info.block_size)
+    batched, seqs = cfg.limits(info.device)
+    scheduler = Scheduler(BlockManager(info.num_blocks, info.block_size), max_len, batched, seqs, cfg.max_waiting)
+    store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix, cfg.finished_ttl)
+    detokenizer = detokenizer_pb2_grpc.DetokenizerStub(
+        grpc.insecure_channel(cfg.detokenizer, options=grpc_util.channel_options())
+    )
+
+    def worker_step(plan: StepPlan) -> dict[str, tuple[int, object]]:
+        return sampled_from_pb(plan, worker.Step(plan_to_pb(plan), timeout=STEP_TIMEOUT))
+
+    engine = Engine(scheduler, store, worker_step, Publisher(detokenizer), tuple(info.eos_token_ids))
+    public = scheduler_pb2.SchedulerInfoResponse(
+        model_name=info.model_name, max_model_len=max_len, eos_token_ids=info.eos_token_ids,
+        vocab_size=info.vocab_size, max_waiting=cfg.max_waiting, device=info.device, dtype=info.dtype,
+    )
+    log.info("worker %s: %s on %s, %d blocks x %d tokens; max %d batched tokens, %d sequences, %d waiting",
+             cfg.worker, info.model_name, info.device, info.num_blocks, info.block_size, batched, seqs, cfg.max_waiting)
+    return engine, public
+
+
+def serve(cfg: SchedulerConfig) -> None:
+    server = grpc_util.make_server()
+    health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
+    service = SchedulerService()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    port = grpc_util.bind(server, cfg.host, cfg.port)
+    server.start()  # health answers NOT_SERVING while we wait for the worker
+    engine, info = build_engine(cfg)
+    engine.recover()
+    service.ready(engine, info)
+    engine.start()
+    grpc_util.set_serving(health, [SERVICE_NAME], True)
+    log.info("scheduler serving on %s:%d", cfg.host, port)
+    grpc_util.wait_for_termination(server, on_stop=lambda: (grpc_util.set_serving(health, [SERVICE_NAME], False),
+                                                            engine.stop()))

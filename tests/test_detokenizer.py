@@ -1,0 +1,135 @@
+"""Incremental detokenization and stop strings, on the real default tokenizer and a real Redis."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from conveyor.params import RequestParams
+from conveyor.state import RequestRecord, RequestStore
+from conveyor.tokenizer import load_tokenizer
+from detokenizer_svc.core import DetokenizerCore, TokenEntry
+from detokenizer_svc.incremental import IncrementalDetokenizer, StopMatcher
+
+TEXTS = [
+    "안녕하세요, 세계! 한국어 문장입니다.",
+    "你好，世界。这是一个中文句子。",
+    "emoji 😀🎉👍🏽 family 👨‍👩‍👧‍👦 flags 🇰🇷",
+    "plain English with    spaces\nand lines",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("default")
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_never_emits_half_a_character(tokenizer, text):
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(t) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.flush() == text
+    assert sum(1 for p in pieces if p == "") > 0 or text.isascii()  # multi-byte characters were held back
+
+
+def test_flush_shows_incomplete_bytes_at_the_end(tokenizer):
+    ids = tokenizer.encode("😀")
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.add(t) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.flush() == tokenizer.decode(ids[:-1])  # the partial character, as U+FFFD
+
+
+@pytest.mark.parametrize(
+    "stops, pieces, emitted, stopped",
+    [
+        # the stop string arrives split over pieces; nothing of it is let out
+        (("END",), ["Hello E", "N", "D more"], ["Hello ", "", ""], True),
+        # a held-back prefix that turns out not to be a stop string is let out
+        (("END",), ["abc E", "NX"], ["abc ", "ENX"], False),
+        # the earliest of several stop strings wins
+        (("cd", "bcd"), ["ab", "cde"], ["a", ""], True),
+        # no stop strings: everything at once
+        ((), ["x", "y"], ["x", "y"], False),
+        # a stop string inside one piece
+        (("\n\n",), ["one\n\ntwo"], ["one"], True),
+    ],
+)
+def test_stop_matcher(stops, pieces, emitted, stopped):
+    matcher = StopMatcher(stops)
+    outs, done = [], False
+    for piece in pieces:
+        out, done = matcher.feed(piece)
+        outs.append(out)
+        if done:
+            break
+    assert outs == emitted[: len(outs)] and done == stopped
+
+
+def test_stop_string_kept_when_asked():
+    matcher = StopMatcher(("END",), include_stop=True)
+    assert matcher.feed("a EN") == ("a ", False)
+    assert matcher.feed("D tail") == ("END", True)
+
+
+def test_release_lets_out_what_was_held():
+    matcher = StopMatcher(("STOP",))
+    assert matcher.feed("ends with ST") == ("ends with ", False)
+    assert matcher.release() == "ST"
+
+
+# ---------------------------------------------------------------- the core, over a real Redis
+
+
+@pytest.fixture
+def store(redis_server):
+    return RequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
+
+
+def _record(store, tokenizer, params: RequestParams, output_ids=()) -> str:
+    rid = uuid.uuid4().hex
+    record = RequestRecord(rid, tokenizer.encode("Hi"), params, frontend="fe:1")
+    assert store.create(record)
+    if output_ids:
+        store.redis.rpush(store.out_key(rid), *output_ids)
+    return rid
+
+
+def test_core_splits_text_across_steps_and_reports_a_stop_string(store, tokenizer):
+    stops = []
+    core = DetokenizerCore(tokenizer, store, lambda rid, n: stops.append((rid, n)))
+    ids = tokenizer.encode(" one two three four five")
+    rid = _record(store, tokenizer, RequestParams(stop=("three",)))
+    deltas = []
+    for i in range(0, len(ids), 2):
+        for fe, ds in core.push([TokenEntry(rid, i, ids[i : i + 2])]).items():
+            assert fe == "fe:1"
+            deltas += ds
+    text = "".join(d.text for d in deltas)
+    assert text == " one two " and deltas[-1].finish_reason == "stop"
+    n = tokenizer.encode(" one two three").__len__()
+    assert stops == [(rid, n)] and deltas[-1].completion_tokens == n
+    assert core.push([TokenEntry(rid, len(ids), [5])]) == {}  # finished: late tokens ignored
+
+
+def test_core_skips_resent_tokens_and_replays_from_redis_after_a_restart(store, tokenizer):
+    ids = tokenizer.encode(" 안녕하세요 세계")
+    rid = _record(store, tokenizer, RequestParams(), output_ids=ids[:4])
+    fresh = DetokenizerCore(tokenizer, store, lambda *a: None)  # as if restarted: tokens 0..3 only in Redis
+    out = fresh.push([TokenEntry(rid, 4, ids[4:6])])["fe:1"]
+    assert out[0].first_token_index == 0 and out[0].token_ids == ids[:6]
+    again = fresh.push([TokenEntry(rid, 4, ids[4:6])])  # a resend: nothing new
+    assert again == {}
+    final = fresh.push([TokenEntry(rid, 6, ids[6:], finish_reason="length")])["fe:1"][-1]
+    text = "".join(d.text for d in out) + final.text
+    assert text == " 안녕하세요 세계" and final.finish_reason == "length" and final.completion_tokens == len(ids)
+
+
+def test_core_gives_no_text_to_the_token_that_stopped_it(store, tokenizer):
+    rid = _record(store, tokenizer, RequestParams(stop_token_ids=(tokenizer.encode("!")[0],)))
+    core = DetokenizerCore(tokenizer, store, lambda *a: None)
+    ids = tokenizer.encode("Yes!")
+    final = core.push([TokenEntry(rid, 0, ids, finish_reason="stop", stopped_by_token=True)])["fe:1"][-1]
+    assert final.text == "Yes" and final.token_ids == ids

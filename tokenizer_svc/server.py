@@ -1,0 +1,190 @@
+"""``conveyor serve frontend``: the public Conveyor API, and the internal Deliver service.
+
+Two gRPC servers in one process: the public one (clients) and the internal one (the detokenizer),
+so that the internal service can stay on localhost. Protobuf is converted here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from conveyor import grpc_util
+from conveyor.errors import InvalidArgument, ResourceExhausted, Unavailable
+from conveyor.messages import Delta
+from conveyor.state import RequestStore
+from conveyor.tokenizer import load_tokenizer
+from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
+from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+from conveyor.wire import FINISH_FROM_PB, FINISH_TO_PB
+from tokenizer_svc.config import FrontendConfig
+from tokenizer_svc.frontend import ClientDelta, Frontend
+from tokenizer_svc.validation import GenerateInput, Limits
+
+log = logging.getLogger("conveyor.frontend")
+PUBLIC_SERVICE = conveyor_pb2.DESCRIPTOR.services_by_name["Conveyor"].full_name
+INTERNAL_SERVICE = frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name
+POLL_SECONDS = 0.25  # how often a waiting stream checks that its client is still there
+
+
+# ---------------------------------------------------------------- protobuf <-> dataclasses
+
+
+def _optional(message, name: str):
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def _chat(chat: conveyor_pb2.Chat) -> tuple[list[dict], bool]:
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return messages, add
+
+
+def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
+    s, stop = pb.sampling, pb.stop
+    inp = GenerateInput(
+        request_id=pb.request_id,
+        temperature=_optional(s, "temperature"), top_k=_optional(s, "top_k"), top_p=_optional(s, "top_p"),
+        min_p=_optional(s, "min_p"), repetition_penalty=_optional(s, "repetition_penalty"),
+        presence_penalty=_optional(s, "presence_penalty"), frequency_penalty=_optional(s, "frequency_penalty"),
+        logit_bias=dict(s.logit_bias), seed=_optional(s, "seed"), logprobs=_optional(s, "logprobs"),
+        max_tokens=_optional(stop, "max_tokens"), min_tokens=stop.min_tokens, stop=list(stop.stop),
+        stop_token_ids=list(stop.stop_token_ids), ignore_eos=stop.ignore_eos,
+        include_stop_str_in_output=stop.include_stop_str_in_output,
+    )
+    kind = pb.WhichOneof("input")
+    if kind == "prompt":
+        inp.prompt = pb.prompt
+    elif kind == "chat":
+        inp.messages, inp.add_generation_prompt = _chat(pb.chat)
+    return inp
+
+
+def delta_from_pb(d: frontend_pb2.Delta) -> Delta:
+    return Delta(d.request_id, d.text_offset, d.text, d.first_token_index, list(d.token_ids), list(d.logprobs),
+                 FINISH_FROM_PB[d.finish_reason], d.prompt_tokens, d.completion_tokens)
+
+
+def client_delta_to_pb(d: ClientDelta) -> conveyor_pb2.GenerateResponse:
+    return conveyor_pb2.GenerateResponse(
+        request_id=d.request_id, text=d.text, token_ids=d.token_ids, first_token_index=d.first_token_index,
+        finish_reason=FINISH_TO_PB[d.finish_reason], prompt_tokens=d.prompt_tokens,
+        completion_tokens=d.completion_tokens, logprobs=d.logprobs,
+    )
+
+
+# ---------------------------------------------------------------- the scheduler, as the core sees it
+
+
+class SchedulerClient:
+    """Submit and abort as plain calls raising ``ConveyorError``s."""
+
+    CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument}
+
+    def __init__(self, address: str):
+        self.stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(address, options=grpc_util.channel_options()))
+
+    def _call(self, method, request, timeout: float = 10.0):
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            kind = self.CODES.get(exc.code(), Unavailable)
+            raise kind(f"scheduler: {exc.details()}") from exc
+
+    def submit(self, request_id: str) -> None:
+        self._call(self.stub.Submit, scheduler_pb2.SubmitRequest(request_id=request_id))
+
+    def abort(self, request_id: str) -> bool:
+        return self._call(self.stub.Abort, scheduler_pb2.SchedulerAbortRequest(request_id=request_id)).aborted
+
+    def info(self) -> scheduler_pb2.SchedulerInfoResponse:
+        """The scheduler's Info, waiting until it answers (it waits for the worker itself)."""
+        while True:
+            try:
+                return self.stub.Info(scheduler_pb2.SchedulerInfoRequest(), timeout=5)
+            except grpc.RpcError:
+                time.sleep(0.5)
+
+
+# ---------------------------------------------------------------- the services
+
+
+class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
+    def __init__(self, frontend: Frontend, info: conveyor_pb2.ServerInfoResponse):
+        self.frontend = frontend
+        self.info = info
+
+    def Generate(self, request, context):
+        stream = self.frontend.open(input_from_pb(request))
+        context.add_callback(lambda: self.frontend.close(stream.request_id))
+        while True:
+            delta = stream.next(POLL_SECONDS)
+            if delta is None:
+                if not context.is_active():
+                    return
+                continue
+            yield client_delta_to_pb(delta)
+            if delta.finish_reason is not None:
+                return
+
+    def Abort(self, request, context):
+        return conveyor_pb2.AbortResponse(aborted=self.frontend.abort(request.request_id))
+
+    def Tokenize(self, request, context):
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidArgument("input must be one of prompt or chat")
+        inp = GenerateInput(prompt=request.prompt) if kind == "prompt" else GenerateInput()
+        if kind == "chat":
+            inp.messages, inp.add_generation_prompt = _chat(request.chat)
+        text, ids = self.frontend.render(inp)
+        return conveyor_pb2.TokenizeResponse(token_ids=ids, text=text)
+
+    def ServerInfo(self, request, context):
+        return self.info
+
+
+class FrontendService(frontend_pb2_grpc.FrontendServicer):
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    def Deliver(self, request, context):
+        unknown = self.frontend.deliver([delta_from_pb(d) for d in request.deltas])
+        return frontend_pb2.DeliverResponse(unknown_request_ids=unknown)
+
+
+def serve(cfg: FrontendConfig) -> None:
+    tokenizer = load_tokenizer(cfg.model)
+    store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
+    scheduler = SchedulerClient(cfg.scheduler)
+    internal = grpc_util.make_server(max_workers=8)
+    internal_health = grpc_util.add_health_and_reflection(internal, [INTERNAL_SERVICE])
+    public = grpc_util.make_server(max_workers=cfg.max_streams + 8)
+    public_health = grpc_util.add_health_and_reflection(public, [PUBLIC_SERVICE])
+    sinfo = scheduler.info()
+    limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings)
+    frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, scheduler.submit, scheduler.abort)
+    info = conveyor_pb2.ServerInfoResponse(
+        model_name=sinfo.model_name, max_model_len=sinfo.max_model_len, eos_token_ids=sinfo.eos_token_ids,
+        max_stop_strings=cfg.max_stop_strings, max_waiting_requests=sinfo.max_waiting,
+        has_chat_template=bool(tokenizer.chat_template), worker=f"{sinfo.device}/{sinfo.dtype}",
+    )
+    frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
+    conveyor_pb2_grpc.add_ConveyorServicer_to_server(ConveyorService(frontend, info), public)
+    internal_port = grpc_util.bind(internal, cfg.internal_host, cfg.internal_port)
+    port = grpc_util.bind(public, cfg.host, cfg.port)
+    internal.start()
+    public.start()
+    grpc_util.set_serving(internal_health, [INTERNAL_SERVICE], True)
+    grpc_util.set_serving(public_health, [PUBLIC_SERVICE], True)
+    log.info("frontend serving %s on %s:%d (deliveries on %s:%d)", sinfo.model_name, cfg.host, port,
+             cfg.internal_host, internal_port)
+
+    def stop() -> None:
+        grpc_util.set_serving(public_health, [PUBLIC_SERVICE], False)
+        internal.stop(5)
+
+    grpc_util.wait_for_termination(public, on_stop=stop)
+

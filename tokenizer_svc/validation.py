@@ -1,0 +1,126 @@
+"""Checking a generate request field by field. Every error names the field and the limit.
+
+Nothing here touches protobuf: ``tokenizer_svc.server`` converts the request to ``GenerateInput``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from conveyor.errors import InvalidArgument
+from conveyor.params import DEFAULT_MAX_TOKENS, RequestParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass
+class GenerateInput:
+    """A generate request as the client sent it; ``None`` means "not set, use the default"."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None  # [{"role": ..., "content": ...}]
+    add_generation_prompt: bool = True
+    request_id: str = ""
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters
+    max_logprobs: int = 20
+    max_prompt_chars: int = 1 << 20
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidArgument(f"{name} {message}")
+
+
+def _finite(value: float | None, name: str) -> None:
+    _check(value is None or math.isfinite(value), name, f"must be a finite number, got {value}")
+
+
+def check_input(inp: GenerateInput, limits: Limits) -> None:
+    """The request's own fields (before tokenizing)."""
+    _check((inp.prompt is None) != (inp.messages is None), "input", "must be exactly one of prompt or chat")
+    if inp.prompt is not None:
+        _check(inp.prompt != "", "prompt", "must not be empty")
+        _check(len(inp.prompt) <= limits.max_prompt_chars, "prompt",
+               f"has {len(inp.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    if inp.messages is not None:
+        _check(len(inp.messages) > 0, "chat.messages", "must not be empty")
+        for i, message in enumerate(inp.messages):
+            _check(message["role"] in CHAT_ROLES, f"chat.messages[{i}].role",
+                   f"must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}")
+    _check(inp.request_id == "" or bool(REQUEST_ID.match(inp.request_id)), "request_id",
+           "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        _finite(getattr(inp, name), f"sampling.{name}")
+    _check(inp.temperature is None or inp.temperature >= 0, "sampling.temperature", f"must be >= 0, got {inp.temperature}")
+    _check(inp.top_p is None or 0 < inp.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {inp.top_p}")
+    _check(inp.top_k is None or inp.top_k >= -1, "sampling.top_k", f"must be -1 (off), 0 (off) or positive, got {inp.top_k}")
+    _check(inp.min_p is None or 0 <= inp.min_p <= 1, "sampling.min_p", f"must be in [0, 1], got {inp.min_p}")
+    _check(inp.repetition_penalty is None or inp.repetition_penalty > 0, "sampling.repetition_penalty",
+           f"must be > 0, got {inp.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(inp, name)
+        _check(value is None or -2 <= value <= 2, f"sampling.{name}", f"must be in [-2, 2], got {value}")
+    for token, bias in inp.logit_bias.items():
+        _check(0 <= token < limits.vocab_size, "sampling.logit_bias", f"token id {token} is not below the vocabulary size {limits.vocab_size}")
+        _check(math.isfinite(bias) and -100 <= bias <= 100, "sampling.logit_bias", f"value for token {token} must be in [-100, 100], got {bias}")
+    _check(inp.logprobs is None or inp.logprobs <= limits.max_logprobs, "sampling.logprobs",
+           f"must be at most {limits.max_logprobs}, got {inp.logprobs}")
+    _check(inp.max_tokens is None or inp.max_tokens >= 1, "stop.max_tokens", f"must be >= 1, got {inp.max_tokens}")
+    _check(inp.max_tokens is None or inp.min_tokens <= inp.max_tokens, "stop.min_tokens",
+           f"({inp.min_tokens}) must not exceed stop.max_tokens ({inp.max_tokens})")
+    _check(len(inp.stop) <= limits.max_stop_strings, "stop.stop",
+           f"has {len(inp.stop)} strings; at most {limits.max_stop_strings} are allowed")
+    for i, text in enumerate(inp.stop):
+        _check(text != "", f"stop.stop[{i}]", "must not be empty")
+        _check(len(text) <= limits.max_stop_length, f"stop.stop[{i}]", f"is longer than {limits.max_stop_length} characters")
+    for token in inp.stop_token_ids:
+        _check(0 <= token < limits.vocab_size, "stop.stop_token_ids", f"token id {token} is not below the vocabulary size {limits.vocab_size}")
+
+
+def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits) -> RequestParams:
+    """The request's parameters with defaults filled in, after the prompt is tokenized."""
+    _check(num_prompt_tokens >= 1, "prompt", "gives no tokens")
+    room = limits.max_model_len - num_prompt_tokens
+    _check(room >= 1, "prompt", f"has {num_prompt_tokens} tokens; the max model length is {limits.max_model_len}")
+    max_tokens = inp.max_tokens if inp.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
+    _check(max_tokens <= room, "stop.max_tokens",
+           f"({max_tokens}) + prompt ({num_prompt_tokens} tokens) exceeds the max model length {limits.max_model_len}")
+    _check(inp.min_tokens <= max_tokens, "stop.min_tokens", f"({inp.min_tokens}) must not exceed max_tokens ({max_tokens})")
+
+    def pick(value, default):
+        return default if value is None else value
+
+    return RequestParams(
+        temperature=pick(inp.temperature, 1.0), top_k=pick(inp.top_k, -1), top_p=pick(inp.top_p, 1.0),
+        min_p=pick(inp.min_p, 0.0), repetition_penalty=pick(inp.repetition_penalty, 1.0),
+        presence_penalty=pick(inp.presence_penalty, 0.0), frequency_penalty=pick(inp.frequency_penalty, 0.0),
+        logit_bias=dict(inp.logit_bias), seed=inp.seed, logprobs=inp.logprobs, max_tokens=max_tokens,
+        min_tokens=inp.min_tokens, stop=tuple(inp.stop), stop_token_ids=tuple(inp.stop_token_ids),
+        ignore_eos=inp.ignore_eos, include_stop_str_in_output=inp.include_stop_str_in_output,
+    )
