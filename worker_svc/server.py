@@ -6,8 +6,8 @@ Protobuf messages are converted to the runner's dataclasses here and nowhere els
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -97,17 +97,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, info: worker_pb2.InfoResponse):
         self.runner = runner
         self.info = info
-        self.lock = threading.Lock()  # one step at a time: steps mutate the cache and sequence state
+        # Every step runs on this one thread: steps mutate the cache and sequence state, and an
+        # OpenMP runtime keeps a thread team per calling thread (gRPC's pool would make many).
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
 
     def Info(self, request, context):
         return self.info
 
     def Step(self, request, context):
         step = step_from_pb(request, self.info.vocab_size)
-        with self.lock:
-            start = time.perf_counter()
-            results = self.runner.step(step)
-            return results_to_pb(request.step_id, results, time.perf_counter() - start)
+        return self.compute.submit(self._run, request.step_id, step).result()
+
+    def _run(self, step_id: int, step: StepInput) -> worker_pb2.StepResponse:
+        start = time.perf_counter()
+        results = self.runner.step(step)
+        return results_to_pb(step_id, results, time.perf_counter() - start)
 
 
 def resolve_device(name: str) -> torch.device:

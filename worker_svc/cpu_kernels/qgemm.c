@@ -85,7 +85,7 @@ static inline __attribute__((always_inline)) void rows_direct(int type, const fl
 }
 
 static void gemm_direct(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 32)  // dynamic: a thread the OS preempts does not stall the rest
     for (int64_t n = 0; n < N; n++) {
         if (M == 1) rows_direct(type, x, 1, K, w, n, y, N);
         else rows_direct(type, x, 2, K, w, n, y, N);
@@ -116,7 +116,7 @@ static void gemm_tiled(int type, const float *x, int64_t M, int64_t K, const uin
 #pragma omp parallel
     {
         float wbuf[NR * K] __attribute__((aligned(32)));  // NR expanded rows, at most 256 KiB of stack
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NR;
             const int nr = (int)(N - n0 < NR ? N - n0 : NR);

@@ -1,0 +1,124 @@
+"""Served throughput through the whole stack next to the bare worker step loop, in one run.
+
+    python bench/serving.py                       # concurrency 1, 8, 32 on the default model
+    python bench/serving.py --concurrency 8 --rounds 3
+
+Workload per round: ``c`` requests at once, each a prompt of ``--prompt-tokens`` tokens and exactly
+``--max-tokens`` output tokens (ignore_eos, greedy), streamed through the SDK (frontend, scheduler,
+worker, detokenizer, Redis). The bare loop runs the same shapes on an in-process ModelRunner (no
+gRPC, no Redis): all prompts in one step, then ``max_tokens - 1`` decode steps at batch ``c``.
+Output tokens/s = completion tokens / wall time. The stack and the bare loop run one after the
+other, so they do not compete for the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from conveyor.client import Client  # noqa: E402
+from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+from worker_svc.kv_cache import KVCache  # noqa: E402
+from worker_svc.loader import load_model  # noqa: E402
+from worker_svc.runner import ModelRunner, SeqChunk, StepInput  # noqa: E402
+from worker_svc.sampling import SamplingParams  # noqa: E402
+
+
+def prompt_text(client: Client, tokens: int) -> str:
+    """A prompt of exactly ``tokens`` tokens (checked with the server's Tokenize)."""
+    words = "the quick brown fox jumps over the lazy dog while a small bird sings".split()
+    text = ""
+    i = 0
+    while len(client.tokenize(text)) < tokens:
+        text += (" " if text else "") + words[i % len(words)]
+        i += 1
+    return text
+
+
+def served(client: Client, concurrency: int, prompt: str, max_tokens: int, rounds: int) -> tuple[float, float]:
+    """(output tokens/s, median time to first token in s) over ``rounds`` rounds of ``concurrency`` streams."""
+    ttfts: list[float] = []
+
+    def one(_):
+        start = time.perf_counter()
+        count, first = 0, None
+        for delta in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0):
+            if first is None and delta.token_ids:
+                first = time.perf_counter() - start
+            count += len(delta.token_ids)
+        ttfts.append(first)
+        return count
+
+    tokens = 0
+    begin = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for _ in range(rounds):
+            tokens += sum(pool.map(one, range(concurrency)))
+    return tokens / (time.perf_counter() - begin), statistics.median(ttfts)
+
+
+def bare(runner: ModelRunner, concurrency: int, prompt_ids: list[int], max_tokens: int, rounds: int) -> float:
+    bs = runner.cache.block_size
+    per_seq = (len(prompt_ids) + max_tokens + bs) // bs
+    greedy = SamplingParams(temperature=0.0)
+    tokens = 0
+    begin = time.perf_counter()
+    for r in range(rounds):
+        ids = [f"r{r}s{i}" for i in range(concurrency)]
+        chunks = [SeqChunk(s, prompt_ids, 0, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy, len(prompt_ids))
+                  for i, s in enumerate(ids)]
+        last = {x.seq_id: x.sampled.token_id for x in runner.step(StepInput(chunks))}
+        for step in range(max_tokens - 1):
+            pos = len(prompt_ids) + step
+            last = {x.seq_id: x.sampled.token_id for x in
+                    runner.step(StepInput([SeqChunk(s, [t], pos, [], True) for s, t in last.items()]))}
+        runner.step(StepInput([], free_seq_ids=ids))
+        tokens += concurrency * max_tokens
+    return tokens / (time.perf_counter() - begin)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    stack = start(UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
+                           kv_cache_bytes=1 << 30, log_level="WARNING"))
+    results = {}
+    try:
+        with Client(stack.endpoint, timeout=1200) as client:
+            prompt = prompt_text(client, args.prompt_tokens)
+            prompt_ids = client.tokenize(prompt)
+            served(client, 1, prompt, 4, 1)  # warm-up
+            for c in args.concurrency:
+                results[c] = served(client, c, prompt, args.max_tokens, args.rounds)
+    finally:
+        stack.stop()
+
+    loaded = load_model("default")
+    need = max(args.concurrency) * ((len(prompt_ids) + args.max_tokens + 16) // 16 + 1)
+    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, "cpu", torch.float32),
+                         loaded.max_model_len, seed=0)
+    bare(runner, 1, prompt_ids, 4, 1)  # warm-up
+    print(f"prompt {len(prompt_ids)} tokens, {args.max_tokens} output tokens per request, {args.rounds} rounds, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'concurrency':>11}{'served tok/s':>14}{'bare step loop tok/s':>22}{'served/bare':>13}{'median TTFT s':>15}")
+    for c in args.concurrency:
+        tps, ttft = results[c]
+        ref = bare(runner, c, prompt_ids, args.max_tokens, args.rounds)
+        print(f"{c:>11}{tps:14.1f}{ref:22.1f}{tps / ref:13.2f}{ttft:15.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

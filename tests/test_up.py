@@ -1,0 +1,74 @@
+"""``conveyor up`` as a user runs it: one command, an endpoint, Ctrl-C; a dying child stops the stack."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, conveyor_command, free_port
+
+from conveyor.client import Client
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.fixture
+def up(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        conveyor_command("up", "--port", str(port), "--worker-port", "0", "--scheduler-port", "0",
+                         "--detokenizer-port", "0", "--deliver-port", "0", "--kv-cache-bytes", "64M",
+                         "--data-dir", str(tmp_path), "--log-level", "WARNING"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 180
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "Conveyor is serving" in line or proc.poll() is not None:
+            break
+    assert any("Conveyor is serving" in x for x in lines), "".join(lines)
+    assert f"127.0.0.1:{port}" in lines[-1]
+    yield proc, f"127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _wait(proc: subprocess.Popen, timeout: float = 60) -> int:
+    return proc.wait(timeout=timeout)
+
+
+def test_up_serves_then_ctrl_c_stops_everything(up):
+    proc, endpoint = up
+    children = _children(proc.pid)
+    assert len(children) == 5  # redis + four services
+    with Client(endpoint, timeout=120) as client:
+        assert client.generate("The capital of France is", temperature=0, max_tokens=5).completion_tokens > 0
+    proc.send_signal(signal.SIGINT)
+    assert _wait(proc) == 0
+    assert not [c for c in children if Path(f"/proc/{c}").exists()]  # all stopped and reaped
+
+
+def test_a_child_that_dies_brings_the_stack_down_non_zero(up):
+    proc, _ = up
+    children = _children(proc.pid)
+    os.kill(children[-1], signal.SIGKILL)  # any one of redis and the four services
+    assert _wait(proc) != 0
+    assert not [c for c in children if Path(f"/proc/{c}").exists()]
