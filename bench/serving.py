@@ -7,8 +7,9 @@ Workload per round: ``c`` requests at once, each a prompt of ``--prompt-tokens``
 ``--max-tokens`` output tokens (ignore_eos, greedy), streamed through the SDK (frontend, scheduler,
 worker, detokenizer, Redis). The bare loop runs the same shapes on an in-process ModelRunner (no
 gRPC, no Redis): all prompts in one step, then ``max_tokens - 1`` decode steps at batch ``c``.
-Output tokens/s = completion tokens / wall time. The stack and the bare loop run one after the
-other, so they do not compete for the CPU.
+Output tokens/s = completion tokens / wall time. Served and bare rounds alternate (one
+at a time, so they never compete for the CPU, and drift in the machine's speed hits both alike);
+the table shows medians.
 """
 
 from __future__ import annotations
@@ -90,34 +91,36 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating served / bare rounds per concurrency")
     args = parser.parse_args()
 
+    loaded = load_model("default")
+    need = max(args.concurrency) * ((args.prompt_tokens + args.max_tokens + 32) // 16 + 1)
+    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, "cpu", torch.float32),
+                         loaded.max_model_len, seed=0)
     stack = start(UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
                            kv_cache_bytes=1 << 30, log_level="WARNING"))
-    results = {}
     try:
         with Client(stack.endpoint, timeout=1200) as client:
             prompt = prompt_text(client, args.prompt_tokens)
             prompt_ids = client.tokenize(prompt)
-            served(client, 1, prompt, 4, 1)  # warm-up
+            served(client, 1, prompt, 4, 1)  # warm-up both
+            bare(runner, 1, prompt_ids, 4, 1)
+            print(f"prompt {len(prompt_ids)} tokens, {args.max_tokens} output tokens per request, {args.rounds} "
+                  f"alternating rounds (medians), {torch.get_num_threads()} threads")
+            print(f"{'concurrency':>11}{'served tok/s':>14}{'bare step loop tok/s':>22}{'served/bare':>13}"
+                  f"{'median TTFT s':>15}")
             for c in args.concurrency:
-                results[c] = served(client, c, prompt, args.max_tokens, args.rounds)
+                # served and bare alternate, so that drift in the machine's speed hits both alike
+                rows = [(*served(client, c, prompt, args.max_tokens, 1), bare(runner, c, prompt_ids, args.max_tokens, 1))
+                        for _ in range(args.rounds)]
+                tps = statistics.median(r[0] for r in rows)
+                ttft = statistics.median(r[1] for r in rows)
+                ref = statistics.median(r[2] for r in rows)
+                ratio = statistics.median(r[0] / r[2] for r in rows)
+                print(f"{c:>11}{tps:14.1f}{ref:22.1f}{ratio:13.2f}{ttft:15.3f}", flush=True)
     finally:
         stack.stop()
-
-    loaded = load_model("default")
-    need = max(args.concurrency) * ((len(prompt_ids) + args.max_tokens + 16) // 16 + 1)
-    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, "cpu", torch.float32),
-                         loaded.max_model_len, seed=0)
-    bare(runner, 1, prompt_ids, 4, 1)  # warm-up
-    print(f"prompt {len(prompt_ids)} tokens, {args.max_tokens} output tokens per request, {args.rounds} rounds, "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'concurrency':>11}{'served tok/s':>14}{'bare step loop tok/s':>22}{'served/bare':>13}{'median TTFT s':>15}")
-    for c in args.concurrency:
-        tps, ttft = results[c]
-        ref = bare(runner, c, prompt_ids, args.max_tokens, args.rounds)
-        print(f"{c:>11}{tps:14.1f}{ref:22.1f}{tps / ref:13.2f}{ttft:15.3f}", flush=True)
 
 
 if __name__ == "__main__":

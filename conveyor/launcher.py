@@ -112,20 +112,28 @@ def _serve(service: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "conveyor.cli", "serve", service, *flags]
 
 
-def _wait_serving(child: Child, deadline: float) -> None:
-    with grpc.insecure_channel(child.health) as channel:
+def wait_serving(address: str, service: str, process: subprocess.Popen, timeout: float, name: str = "") -> None:
+    """Poll ``grpc.health.v1`` at ``address`` until ``service`` is SERVING; fail if ``process`` exits."""
+    name = name or service
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
-            if child.process.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with status {child.process.returncode} while starting")
+            if process.poll() is not None:
+                output = process.stdout.read() if process.stdout else ""
+                raise RuntimeError(f"{name} exited with status {process.returncode} while starting\n{output}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=child.service), timeout=1)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise TimeoutError(f"{child.name} did not report SERVING within the ready timeout")
+    raise TimeoutError(f"{name} at {address} did not report SERVING within {timeout:.0f} s")
+
+
+def _wait_serving(child: Child, deadline: float) -> None:
+    wait_serving(child.health, child.service, child.process, max(0.1, deadline - time.monotonic()), child.name)
 
 
 def _start_redis(cfg: UpConfig, stack: Stack) -> str:

@@ -6,7 +6,7 @@ loop; what they decide is written by the loop's next step, so writes stay in ord
 call runs outside the lock, so an abort during a step frees its blocks at once and the step's
 result for that request is dropped.
 
-``start_step`` and ``publish`` are plain callables (the gRPC server supplies them), so this
+``transport`` and ``publish`` are plain objects (the gRPC server supplies them), so this
 module imports no gRPC.
 """
 
@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from redis.exceptions import RedisError
 
@@ -26,17 +28,32 @@ from scheduler_svc.request import Request
 
 log = logging.getLogger("conveyor.scheduler")
 
-# start_step(plan) sends the step and returns a function that waits for its sampled tokens
-StartStep = Callable[[StepPlan], Callable[[], dict[str, tuple[int, object]]]]
+
+
+class StepTransport(Protocol):
+    """How steps reach the worker: sent in order, answered in order."""
+
+    def send(self, plan: StepPlan) -> None:
+        """Queue a step on the worker (returns at once)."""
+
+    def receive(self, plan: StepPlan) -> dict[str, tuple[int, object]]:
+        """Wait for the answer to the oldest unanswered step (``plan``): request id -> (token, logprobs)."""
+
+    def reset(self) -> None:
+        """After a failure: forget unanswered steps and reconnect."""
+
+
 Publish = Callable[[int, list[Output]], None]
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, store: RequestStore, start_step: StartStep, publish: Publish,
-                 eos_token_ids: tuple[int, ...]):
+    def __init__(self, scheduler: Scheduler, store: RequestStore, transport: StepTransport, publish: Publish,
+                 eos_token_ids: tuple[int, ...], depth: int = 2):
+        """``depth``: steps sent to the worker ahead of their answers (2: the next one always waits there)."""
         self.scheduler = scheduler
         self.store = store
-        self.start_step = start_step
+        self.transport = transport
+        self.depth = depth
         self.publish = publish
         self.eos_token_ids = eos_token_ids
         self.cond = threading.Condition()
@@ -102,48 +119,53 @@ class Engine:
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
-        """Each iteration: schedule step N, start it on the worker, and while it computes, write and
-        publish step N-1's results (so Redis and the detokenizer never hold up the worker)."""
+        """Keep up to ``depth`` steps on the worker: schedule and send while there is room, then take
+        the oldest answer, apply it, write Redis and publish (the worker meanwhile computes the next)."""
         backoff = 0.1
-        previous = None  # (plan, outputs, decided) not yet written to Redis nor published
+        in_flight: deque[tuple[StepPlan, list[Output]]] = deque()
         while True:
             with self.cond:
-                while not self._stopped and not self.decided and not self.scheduler.has_work:
-                    if previous is not None:
-                        break
+                while not (self._stopped or self.decided or self.scheduler.has_work or in_flight):
                     self.cond.wait()
                 if self._stopped:
                     return
-                idle = not self.decided and not self.scheduler.has_work
-                plan = self.scheduler.schedule() if not idle else None
+                plan = self.scheduler.schedule() if len(in_flight) < self.depth else None
                 decided, self.decided = self.decided, []
-            if plan is None or plan.empty:
-                if previous is not None:
-                    self._write_and_publish(*previous)
-                    previous = None
-                if plan is not None:
-                    self._write_and_publish(plan, [], decided)
-                    self._wait_for_change()
+            if plan is not None and not plan.empty:
+                try:
+                    self.transport.send(plan)
+                except Exception as exc:  # noqa: BLE001 - the stream to the worker broke
+                    backoff = self._recover(plan, exc, backoff, [(plan, decided), *in_flight])
+                    in_flight.clear()
+                    continue
+                in_flight.append((plan, decided))
+                if len(in_flight) < self.depth:
+                    continue  # fill the worker's queue first
+            elif decided or (plan is not None and plan.preempted):
+                self._write_and_publish(plan or StepPlan(0, [], []), [], decided)
+            if not in_flight:
+                self._wait_for_change()
                 continue
+            sent, sent_decided = in_flight.popleft()
             try:
-                wait = self.start_step(plan)
-                if previous is not None:  # overlapped with the worker computing this step
-                    self._write_and_publish(*previous)
-                    previous = None
-                sampled = wait()
-            except Exception as exc:  # noqa: BLE001 - any failure of the step means the worker's state is unknown
-                if previous is not None:
-                    self._write_and_publish(*previous)
-                    previous = None
-                self._worker_failed(plan, exc, backoff)
-                self._write_and_publish(plan, [], decided)
-                backoff = min(backoff * 2, 5.0)
+                sampled = self.transport.receive(sent)
+            except Exception as exc:  # noqa: BLE001 - any failure means the worker's state is unknown
+                backoff = self._recover(sent, exc, backoff, [(sent, sent_decided), *in_flight])
+                in_flight.clear()
                 continue
             backoff = 0.1
             self.worker_up = True
             with self.cond:
-                outputs = self.scheduler.update(plan, sampled)
-            previous = (plan, outputs, decided)
+                outputs = self.scheduler.update(sent, sampled)
+            self._write_and_publish(sent, outputs, sent_decided)
+
+    def _recover(self, plan: StepPlan, exc: Exception, backoff: float, dropped) -> float:
+        """The worker failed: requeue everything for recompute, write what was decided, reconnect."""
+        self._worker_failed(plan, exc, backoff)
+        for dropped_plan, dropped_decided in dropped:
+            self._write_and_publish(dropped_plan, [], dropped_decided)
+        self.transport.reset()
+        return min(backoff * 2, 5.0)
 
     def _wait_for_change(self) -> None:
         """Nothing could be scheduled (no blocks for the queue head): wait for an arrival or a departure."""

@@ -13,6 +13,12 @@ free KV blocks; ``max_num_seqs`` caps the running set. Order (vLLM v1's):
 
 Finished, aborted and preempted requests free their blocks at once; the worker is told to forget
 them in the next step. Nothing here does I/O.
+
+Steps may be scheduled before the results of the previous one are back (the engine keeps the
+worker's queue one step ahead): tokens count as computed when scheduled, and a request whose
+sample is still in flight decodes "the token the worker sampled last" (``decode_last``). When the
+results come back, a request that has meanwhile finished, been aborted or preempted (its
+``epoch`` moved on) has them dropped.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ class Chunk:
     """One request's share of a step (becomes a worker SequenceChunk)."""
 
     request: Request
-    token_ids: list[int]
+    token_ids: list[int]  # empty with decode_last
     start_pos: int
     new_blocks: list[int]
     sample: bool
+    decode_last: bool = False  # the token is the one the worker samples in the step before
+    epoch: int = 0  # the request's epoch when scheduled
 
     @property
     def registers(self) -> bool:
@@ -144,6 +152,8 @@ class Scheduler:
         self.to_free.append(request.request_id)
         request.status = Status.WAITING
         request.num_computed = 0
+        request.samples_in_flight = 0
+        request.epoch += 1
         self.waiting.appendleft(request)
         self.preempted.append(request)
         self.counters.preemptions += 1
@@ -168,7 +178,12 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request.status is not Status.RUNNING:
                 break
-            n = min(request.num_pending, budget)
+            if request.num_pending:
+                n = min(request.num_pending, budget)
+            elif request.samples_in_flight and request.may_extend(self.max_model_len):
+                n = 1  # decode the token still on its way back
+            else:
+                continue  # nothing to compute until its sampled token is back
             end = request.num_computed + n
             while not self.blocks.can_grow(request.request_id, end):
                 victim = self.running[-1]
@@ -199,7 +214,14 @@ class Scheduler:
     def _chunk(self, request: Request, n: int) -> Chunk:
         start = request.num_computed
         new_blocks = self.blocks.grow(request.request_id, start + n)
-        return Chunk(request, request.tokens(start, start + n), start, new_blocks, sample=start + n == request.num_tokens)
+        if request.num_pending == 0:  # everything known is computed: the next token is in flight
+            chunk = Chunk(request, [], start, new_blocks, sample=True, decode_last=True, epoch=request.epoch)
+        else:
+            chunk = Chunk(request, request.tokens(start, start + n), start, new_blocks,
+                          sample=start + n == request.num_tokens, epoch=request.epoch)
+        request.num_computed = start + n
+        request.samples_in_flight += chunk.sample
+        return chunk
 
     def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None) -> list[Output]:
         """Apply a step's results: ``sampled`` maps request id -> (token id, logprobs or None).
@@ -209,11 +231,10 @@ class Scheduler:
         outputs = []
         for chunk in plan.chunks:
             request = chunk.request
-            if request.status is not Status.RUNNING or self.requests.get(request.request_id) is not request:
+            stale = chunk.epoch != request.epoch or self.requests.get(request.request_id) is not request
+            if not chunk.sample or stale or request.status is not Status.RUNNING:
                 continue
-            request.num_computed = chunk.start_pos + len(chunk.token_ids)
-            if not chunk.sample:
-                continue
+            request.samples_in_flight -= 1
             token, logprobs = sampled[request.request_id]
             index = len(request.output_ids)
             request.output_ids.append(token)

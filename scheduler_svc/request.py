@@ -25,7 +25,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # one entry per output token when asked
     status: Status = Status.WAITING
-    num_computed: int = 0  # tokens of prompt + output whose KV the worker holds
+    num_computed: int = 0  # tokens of prompt + output scheduled (sent to the worker to compute)
+    samples_in_flight: int = 0  # sampling chunks sent whose token has not come back yet
+    epoch: int = 0  # +1 at each preemption: results of chunks sent before it are stale
     first_token_time: float | None = None
     finish_reason: str | None = None
     stopped_by_token: bool = False
@@ -45,8 +47,13 @@ class Request:
 
     @property
     def num_pending(self) -> int:
-        """Known tokens not yet computed (the prompt's rest, a recompute, or the last sampled token)."""
+        """Known tokens not yet scheduled (the prompt's rest, a recompute, or the last sampled token)."""
         return self.num_tokens - self.num_computed
+
+    def may_extend(self, max_model_len: int) -> bool:
+        """Whether one more token can follow the ones in flight (else a decode_last would be wasted)."""
+        ahead = self.num_tokens + self.samples_in_flight
+        return len(self.output_ids) + self.samples_in_flight < self.params.max_tokens and ahead < max_model_len
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)

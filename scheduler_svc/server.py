@@ -26,7 +26,6 @@ from scheduler_svc.request import Request, Status
 
 log = logging.getLogger("conveyor.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-STEP_TIMEOUT = 600.0
 
 
 # ---------------------------------------------------------------- protobuf <-> dataclasses
@@ -46,7 +45,7 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
     chunks = []
     for c in plan.chunks:
         chunk = worker_pb2.SequenceChunk(seq_id=c.request.request_id, token_ids=c.token_ids, start_pos=c.start_pos,
-                                         new_block_ids=c.new_blocks, sample=c.sample)
+                                         new_block_ids=c.new_blocks, sample=c.sample, decode_last=c.decode_last)
         if c.registers:
             chunk.sampling.CopyFrom(sampling_pb(c.request))
             chunk.num_prompt_tokens = len(c.request.prompt_ids)
@@ -73,6 +72,37 @@ def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatc
             logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(o.token_ids, o.logprobs)],
         ))
     return detokenizer_pb2.TokenBatch(step=step, requests=entries)
+
+
+# ---------------------------------------------------------------- the worker feed
+
+
+class StepChannel:
+    """Steps to the worker over one ``StepStream``: sent in order, answered in order."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub):
+        self.stub = stub
+        self._open()
+
+    def _open(self) -> None:
+        self.requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
+        self.call = self.stub.StepStream(iter(self.requests.get, None))
+
+    def send(self, plan: StepPlan) -> None:
+        self.requests.put(plan_to_pb(plan))
+
+    def receive(self, plan: StepPlan) -> dict[str, tuple[int, object]]:
+        reply = next(self.call, None)
+        if reply is None:
+            raise ConnectionError("the worker ended the step stream")
+        if reply.step_id != plan.step:
+            raise ConnectionError(f"the worker answered step {reply.step_id}, expected {plan.step}")
+        return sampled_from_pb(plan, reply)
+
+    def reset(self) -> None:
+        self.requests.put(None)
+        self.call.cancel()
+        self._open()
 
 
 # ---------------------------------------------------------------- the detokenizer feed
@@ -180,11 +210,7 @@ def build_engine(cfg: SchedulerConfig) -> tuple[Engine, scheduler_pb2.SchedulerI
         grpc.insecure_channel(cfg.detokenizer, options=grpc_util.channel_options())
     )
 
-    def start_step(plan: StepPlan):
-        call = worker.Step.future(plan_to_pb(plan), timeout=STEP_TIMEOUT)
-        return lambda: sampled_from_pb(plan, call.result())
-
-    engine = Engine(scheduler, store, start_step, Publisher(detokenizer), tuple(info.eos_token_ids))
+    engine = Engine(scheduler, store, StepChannel(worker), Publisher(detokenizer), tuple(info.eos_token_ids))
     public = scheduler_pb2.SchedulerInfoResponse(
         model_name=info.model_name, max_model_len=max_len, eos_token_ids=info.eos_token_ids,
         vocab_size=info.vocab_size, max_waiting=cfg.max_waiting, device=info.device, dtype=info.dtype,

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import grpc
 import torch
+
+from conveyor import launcher
+from conveyor.launcher import free_port  # noqa: F401 - re-exported for the tests
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,31 +29,8 @@ def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0].float()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_serving(address: str, service: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    """Poll grpc.health.v1 until ``service`` is SERVING; fail with the process output if it died."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                out = proc.stdout.read() if proc.stdout else ""
-                raise RuntimeError(f"process exited with {proc.returncode}:\n{out}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{service} at {address} not SERVING after {timeout}s")
+    launcher.wait_serving(address, service, proc, timeout)
 
 
 def conveyor_command(*args: str) -> list[str]:

@@ -9,15 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import redis
 from helpers import TinyScheduler, make_runner
 
 from conveyor.client import AsyncClient, Client
-from conveyor.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from conveyor.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from conveyor.launcher import UpConfig, start
 from conveyor.state import RequestStore
 from conveyor.v1 import conveyor_pb2, scheduler_pb2, scheduler_pb2_grpc
-from worker_svc.sampling import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",
@@ -318,3 +316,33 @@ def test_scheduler_killed_and_restarted_requests_finish_with_the_same_tokens(tmp
         assert tokens == expected
         indices = [d.first_token_index for d in deltas]
         assert indices == sorted(indices) and deltas[-1].completion_tokens == len(expected)
+
+
+def test_deadline_exceeded_aborts_the_request_on_the_server(stack, client):
+    rid = "deadline-1"
+    with pytest.raises(DeadlineExceeded):
+        client.generate("Write a very long essay about rivers.", max_tokens=400, ignore_eos=True, timeout=0.5,
+                        request_id=rid)
+    store = RequestStore.from_url(stack.redis_url)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (store.get(rid) is None or store.get(rid).status != "finished"):
+        time.sleep(0.02)
+    record = store.get(rid)
+    assert record.status == "finished" and record.finish_reason == "abort" and record.num_output < 400
+
+
+def test_generate_and_chat_commands(stack, client):
+    import subprocess
+
+    from helpers import ROOT, conveyor_command
+
+    expected = client.generate("The capital of France is", temperature=0, max_tokens=8)
+    done = subprocess.run(conveyor_command("generate", "--target", stack.endpoint, "--temperature", "0",
+                                           "--max-tokens", "8", "The capital of France is"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == expected.text + "\n"
+    assert f"[{expected.finish_reason}: {expected.prompt_tokens} prompt + {expected.completion_tokens}" in done.stderr
+    reply = client.chat(_chat("Say hello."), temperature=0, max_tokens=10)
+    chat = subprocess.run(conveyor_command("chat", "--target", stack.endpoint, "--temperature", "0", "--max-tokens", "10"),
+                          cwd=ROOT, input="Say hello.\n\n", capture_output=True, text=True, timeout=120)
+    assert chat.returncode == 0 and reply.text in chat.stdout

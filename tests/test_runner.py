@@ -135,3 +135,16 @@ def test_freed_sequence_is_forgotten_and_its_blocks_reusable(default_model, prom
     # the same blocks, now owned by another sequence, give that sequence's own answer
     first = _start(runner, "b", prompts[0], list(range(8)))
     assert [first, *_continue(runner, "b", first, len(prompts[0]), 5)] == alone[0][0][:6]
+
+
+def test_decode_last_feeds_the_token_sampled_in_the_previous_step(default_model, prompts, alone):
+    runner = make_runner(default_model, num_blocks=16)
+    prompt = prompts[0]
+    tokens = [_start(runner, "a", prompt, list(range(8)))]
+    for i in range(7):  # the scheduler never tells the worker which token it sampled
+        out = runner.step(StepInput([SeqChunk("a", [], len(prompt) + i, [], True, decode_last=True)]))
+        tokens.append(out[0].sampled.token_id)
+    assert tokens == alone[0][0][:8]
+    runner.step(StepInput([SeqChunk("b", prompt, 0, [9, 10, 11], False, SamplingParams(), len(prompt))]))
+    with pytest.raises(InvalidStep, match="nothing was sampled"):
+        runner.step(StepInput([SeqChunk("b", [], len(prompt), [], True, decode_last=True)]))

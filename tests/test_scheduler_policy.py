@@ -162,3 +162,50 @@ def test_reset_worker_requeues_everything_running():
     s.reset_worker()
     plan = s.schedule()
     assert plan.free_all and [c.start_pos for c in plan.chunks] == [0, 0]
+
+
+# ---------------------------------------------------------------- steps scheduled ahead of their answers
+
+
+def test_next_step_decodes_the_token_still_in_flight():
+    s = _scheduler(budget=64)
+    s.add(_request("a", 5))
+    first = s.schedule()  # the prompt, sampled
+    second = s.schedule()  # sent before the first is answered
+    (chunk,) = second.chunks
+    assert chunk.decode_last and chunk.token_ids == [] and chunk.start_pos == 5 and chunk.sample
+    s.update(first, {"a": (7, None)})
+    s.update(second, {"a": (8, None)})
+    assert s.requests["a"].output_ids == [7, 8]
+    (third,) = s.schedule().chunks  # both answers are back: the last token is known and fed as usual
+    assert third.decode_last is False and third.token_ids == [8] and third.start_pos == 6
+
+
+def test_results_of_a_request_that_finished_meanwhile_are_dropped():
+    s = _scheduler(budget=64)
+    s.add(_request("a", 5))
+    first, second = s.schedule(), s.schedule()
+    outputs = s.update(first, {"a": (EOS, None)})  # eos: finished while the second step was on its way
+    assert outputs[0].finish_reason == "stop"
+    assert s.update(second, {"a": (9, None)}) == []
+    assert s.schedule().free_ids == ["a"] and s.blocks.num_used == 0
+
+
+def test_results_from_before_a_preemption_are_dropped():
+    s = _scheduler(num_blocks=4, block_size=4, budget=64)
+    s.add(_request("old", 7, ignore_eos=True))
+    s.add(_request("new", 7, ignore_eos=True))
+    s.update(s.schedule(), {"old": (1, None), "new": (1, None)})
+    in_flight = s.schedule()  # both decode position 7 (fits); their answers are still out
+    preempting = s.schedule()  # position 8 of "old" needs a block: "new" is preempted
+    assert [c.request.request_id for c in preempting.chunks] == ["old"] and "new" in preempting.free_ids
+    outputs = s.update(in_flight, {"old": (2, None), "new": (2, None)})
+    assert [o.request.request_id for o in outputs] == ["old"]  # "new"'s answer belongs to its old epoch
+    assert s.requests["new"].output_ids == [1] and s.requests["new"].num_computed == 0
+
+
+def test_no_decode_beyond_max_tokens_while_the_last_is_in_flight():
+    s = _scheduler(budget=64)
+    s.add(_request("a", 3, max_tokens=1))
+    s.schedule()
+    assert s.schedule().chunks == []  # its one token is in flight: nothing more to compute

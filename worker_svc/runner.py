@@ -36,6 +36,7 @@ class SeqChunk:
     sample: bool = False  # sample a token after the last of token_ids
     sampling: SamplingParams | None = None  # required when start_pos == 0 (registers the sequence)
     num_prompt_tokens: int = 0  # with sampling: the original prompt length (later tokens are output)
+    decode_last: bool = False  # token_ids empty: compute the token sampled for it in the previous step
 
 
 @dataclass
@@ -57,6 +58,7 @@ class SeqState:
     num_prompt_tokens: int
     tokens: list[int] = field(default_factory=list)  # every token fed so far (KV computed)
     block_table: list[int] = field(default_factory=list)
+    last_sampled: int | None = None  # for a decode_last chunk of the next step
 
 
 class ModelRunner:
@@ -79,8 +81,20 @@ class ModelRunner:
         if len(set(ids)) != len(ids):
             raise InvalidStep("a sequence appears twice in one step")
         freed = set(self.seqs) if step.free_all else set(step.free_seq_ids)
-        for c in step.chunks:
-            self._check_chunk(c, known=c.seq_id in self.seqs and c.seq_id not in freed)
+        for i, c in enumerate(step.chunks):
+            known = c.seq_id in self.seqs and c.seq_id not in freed
+            if c.decode_last:
+                step.chunks[i] = c = self._with_last_sampled(c, known)
+            self._check_chunk(c, known)
+
+    def _with_last_sampled(self, c: SeqChunk, known: bool) -> SeqChunk:
+        where = f"sequence {c.seq_id!r}"
+        if c.token_ids:
+            raise InvalidStep(f"{where}: decode_last takes no token_ids")
+        last = self.seqs[c.seq_id].last_sampled if known else None
+        if last is None:
+            raise InvalidStep(f"{where}: decode_last but nothing was sampled for it in the previous step")
+        return SeqChunk(c.seq_id, [last], c.start_pos, c.new_block_ids, c.sample, c.sampling, c.num_prompt_tokens)
 
     def _check_chunk(self, c: SeqChunk, known: bool) -> None:
         where = f"sequence {c.seq_id!r}"
@@ -125,6 +139,8 @@ class ModelRunner:
         # decode tokens first (one query each), then prefill chunks
         order = sorted(step.chunks, key=lambda c: len(c.token_ids) > 1)
         results = self._forward_and_sample(order, staged) if order else []
+        for r in results:
+            staged[r.seq_id].last_sampled = r.sampled.token_id
         self.seqs.update(staged)  # commit only after the forward succeeded
         position = {c.seq_id: i for i, c in enumerate(step.chunks)}
         return sorted(results, key=lambda r: position[r.seq_id])  # request order

@@ -6,9 +6,12 @@ Protobuf messages are converted to the runner's dataclasses here and nowhere els
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 
 from conveyor import grpc_util
@@ -75,7 +78,7 @@ def step_from_pb(pb: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
         if sampling is not None:
             check_sampling(c.seq_id, sampling, vocab_size)
         chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
-                               sampling, c.num_prompt_tokens))
+                               sampling, c.num_prompt_tokens, c.decode_last))
     return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
 
 
@@ -107,6 +110,40 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def Step(self, request, context):
         step = step_from_pb(request, self.info.vocab_size)
         return self.compute.submit(self._run, request.step_id, step).result()
+
+    def StepStream(self, request_iterator, context):
+        """Steps are read ahead on their own thread and queued on the compute thread as they arrive,
+        so the next step is waiting there while the answer to this one travels back."""
+        results: queue.Queue = queue.Queue()
+        failed = threading.Event()  # after a failed step, the ones queued behind it do not run
+
+        def run(step_id: int, step: StepInput) -> worker_pb2.StepResponse:
+            if failed.is_set():
+                raise InvalidStep(f"step {step_id} follows a step that failed")
+            try:
+                return self._run(step_id, step)
+            except Exception:
+                failed.set()
+                raise
+
+        def read() -> None:
+            try:
+                for request in request_iterator:
+                    results.put(self.compute.submit(run, request.step_id, step_from_pb(request, self.info.vocab_size)))
+            except Exception as exc:  # noqa: BLE001 - a bad step or a broken stream: end after the queued ones
+                results.put(exc)
+            results.put(None)
+
+        threading.Thread(target=read, name="step-reader", daemon=True).start()
+        while (item := results.get()) is not None:
+            try:
+                if isinstance(item, Exception):
+                    raise item
+                yield item.result()
+            except InvalidStep as exc:  # streams bypass the interceptor's mapping
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except grpc.RpcError:
+                return
 
     def _run(self, step_id: int, step: StepInput) -> worker_pb2.StepResponse:
         start = time.perf_counter()

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/conveyor.v1.Worker/StepStream',
+                request_serializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -64,6 +69,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same steps over one stream, run strictly in the order sent. The scheduler keeps the next
+        step queued behind the running one so the worker never waits for it; a malformed step ends
+        the stream with INVALID_ARGUMENT (after the steps before it ran).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +88,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
@@ -130,6 +149,33 @@ class Worker:
             request,
             target,
             '/conveyor.v1.Worker/Step',
+            conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            conveyor_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/conveyor.v1.Worker/StepStream',
             conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             conveyor_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
