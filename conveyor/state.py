@@ -91,12 +91,6 @@ class RequestStore:
     def inflight_key(self) -> str:
         return f"{self.prefix}:inflight"
 
-    def ping(self) -> float:
-        """Round-trip time in seconds (raises when Redis is unreachable)."""
-        start = time.perf_counter()
-        self.redis.ping()
-        return time.perf_counter() - start
-
     def create(self, record: RequestRecord) -> bool:
         """Record a new request; False (and nothing written) when the id is already taken."""
         key = self.key(record.request_id)
