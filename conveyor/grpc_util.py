@@ -35,7 +35,15 @@ def _status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
     """The one place where typed errors become gRPC statuses: ``ConveyorError`` subclasses map to
     their code, a request that does not parse to INVALID_ARGUMENT, anything else to INTERNAL
-    (logged with its traceback)."""
+    (logged with its traceback). Servicers raise; they never call ``context.abort`` themselves.
+    ``on_error(method, code_name)`` counts each error (the ``conveyor_grpc_errors_total`` metric)."""
+
+    def __init__(self, on_error=None):
+        self.on_error = on_error or (lambda method, code: None)
+
+    def _abort(self, context, method: str, code: grpc.StatusCode, details: str):
+        self.on_error(method, code.name)
+        context.abort(code, details)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -52,8 +60,8 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
 
         def check(request, context) -> None:
             if isinstance(request, _Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"malformed request for {method}: {request.error} (strings must be valid UTF-8)")
+                self._abort(context, method, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"malformed request for {method}: {request.error} (strings must be valid UTF-8)")
 
         if handler.response_streaming:
             inner_stream = handler.unary_stream
@@ -63,7 +71,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
                 try:
                     yield from inner_stream(request, context)
                 except Exception as exc:  # noqa: BLE001
-                    context.abort(*_status(exc, method))
+                    self._abort(context, method, *_status(exc, method))
 
             return grpc.unary_stream_rpc_method_handler(
                 streamed, request_deserializer=deserialize, response_serializer=handler.response_serializer
@@ -75,7 +83,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             try:
                 return inner(request, context)
             except Exception as exc:  # noqa: BLE001
-                context.abort(*_status(exc, method))
+                self._abort(context, method, *_status(exc, method))
 
         return grpc.unary_unary_rpc_method_handler(
             unary, request_deserializer=deserialize, response_serializer=handler.response_serializer
@@ -90,10 +98,15 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-def make_server(max_workers: int = 8) -> grpc.Server:
+def make_server(max_workers: int = 8, metrics=None) -> grpc.Server:
+    """A gRPC server with the error-mapping interceptor; errors are counted in ``metrics`` when given."""
+    on_error = None
+    if metrics is not None:
+        errors = metrics.get("conveyor_grpc_errors_total")
+        on_error = lambda method, code: errors.labels(method=method, code=code).inc()  # noqa: E731
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorMappingInterceptor()],
+        interceptors=[ErrorMappingInterceptor(on_error)],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -113,10 +126,14 @@ def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> 
     return health_servicer
 
 
-def set_serving(health_servicer: health.HealthServicer, service_names: list[str], serving: bool) -> None:
+def set_serving(health_servicer: health.HealthServicer, service_names: list[str], serving: bool,
+                metrics=None) -> None:
+    """Set the health of the process and its services (and ``conveyor_process_up`` when given)."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
         health_servicer.set(name, status)
+    if metrics is not None:
+        metrics.get("conveyor_process_up").set(1 if serving else 0)
 
 
 def bind(server: grpc.Server, host: str, port: int) -> int:

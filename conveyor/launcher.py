@@ -40,6 +40,11 @@ class UpConfig:
     scheduler_port: int = setting(50052, "scheduler port (0: any free port)")
     detokenizer_port: int = setting(50054, "detokenizer port (0: any free port)")
     deliver_port: int = setting(50055, "frontend's internal Deliver port (0: any free port)")
+    frontend_metrics_port: int = setting(9101, "frontend /metrics port (0: any free port)")
+    scheduler_metrics_port: int = setting(9102, "scheduler /metrics port (0: any free port)")
+    worker_metrics_port: int = setting(9103, "worker /metrics port (0: any free port)")
+    detokenizer_metrics_port: int = setting(9104, "detokenizer /metrics port (0: any free port)")
+    metrics_host: str = setting("127.0.0.1", "address of every /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
     device: str = setting("auto", "worker device: auto, cpu, cuda or cuda:N")
     kv_cache_bytes: int | None = setting(None, "worker KV cache budget, e.g. 512M", parse=parse_size)
     block_size: int = setting(16, "tokens per KV block")
@@ -70,6 +75,7 @@ class Child:
     health: str | None = None  # address to poll, None for Redis
     service: str = ""
     argv: list[str] = field(default_factory=list)
+    metrics: str = ""  # host:port of its /metrics endpoint
 
 
 @dataclass
@@ -171,7 +177,9 @@ def start(cfg: UpConfig) -> Stack:
         ports = {name: getattr(cfg, f"{name}_port") or free_port()
                  for name in ("worker", "scheduler", "detokenizer", "deliver")}
         address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-        common = ["--log-level", cfg.log_level]
+        metrics = {name: getattr(cfg, f"{name}_metrics_port") or free_port()
+                   for name in ("worker", "scheduler", "detokenizer", "frontend")}
+        common = ["--log-level", cfg.log_level, "--metrics-host", cfg.metrics_host]
         redis_flags = ["--redis-url", stack.redis_url, "--redis-prefix", cfg.redis_prefix]
         worker_flags = ["--model", cfg.model, "--port", str(ports["worker"]), "--device", cfg.device,
                         "--block-size", str(cfg.block_size), *common]
@@ -193,8 +201,9 @@ def start(cfg: UpConfig) -> Stack:
              f"127.0.0.1:{cfg.port}", "conveyor.v1.Conveyor"),
         ]
         for name, flags, health, service in plan:
-            argv = _serve(name, *flags)
-            stack.children.append(Child(name, subprocess.Popen(argv), health, service, argv))
+            argv = _serve(name, *flags, "--metrics-port", str(metrics[name]))
+            stack.children.append(Child(name, subprocess.Popen(argv), health, service, argv,
+                                        f"{cfg.metrics_host}:{metrics[name]}"))
         deadline = time.monotonic() + cfg.ready_timeout
         for child in stack.children:
             if child.health:

@@ -17,7 +17,10 @@ class DetokenizerConfig:
     scheduler: str = setting("127.0.0.1:50052", "address of the scheduler (told when a stop string matches)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state")
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
+    metrics_port: int = setting(9104, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
 from conveyor import grpc_util
+from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, detokenizer_pb2, detokenizer_pb2_grpc, frontend_pb2, frontend_pb2_grpc
@@ -52,14 +54,19 @@ class Channels:
 
 
 class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, core: DetokenizerCore, scheduler: scheduler_pb2_grpc.SchedulerStub):
+    def __init__(self, core: DetokenizerCore, scheduler: scheduler_pb2_grpc.SchedulerStub, metrics: Metrics):
         self.core = core
         self.scheduler = scheduler
+        self.metrics = metrics
         self.channels = Channels()
 
     def Push(self, request, context):
-        for frontend, deltas in self.core.push([entry_from_pb(e) for e in request.requests]).items():
+        start = time.perf_counter()
+        by_frontend = self.core.push([entry_from_pb(e) for e in request.requests])
+        for frontend, deltas in by_frontend.items():
             self._deliver(frontend, deltas)
+        self.metrics.detokenizer_tokens.inc(sum(len(e.token_ids) for e in request.requests))
+        self.metrics.detokenizer_push_seconds.observe(time.perf_counter() - start)
         return detokenizer_pb2.PushResponse()
 
     def _deliver(self, frontend: str, deltas: list[Delta]) -> None:
@@ -88,18 +95,22 @@ def serve(cfg: DetokenizerConfig) -> None:
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
     scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(cfg.scheduler, options=grpc_util.channel_options()))
 
+    metrics = Metrics("detokenizer")
+    metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
+
     def on_stop(request_id: str, num_tokens: int) -> None:
+        metrics.stop_string_matches.inc()
         try:
             scheduler.Finish(scheduler_pb2.FinishRequest(request_id=request_id, num_tokens=num_tokens), timeout=5)
         except grpc.RpcError as exc:
             log.warning("could not tell the scheduler that %s stopped: %s", request_id, exc.code())
 
     core = DetokenizerCore(tokenizer, store, on_stop)
-    server = grpc_util.make_server()
+    server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
-    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, scheduler), server)
+    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, scheduler, metrics), server)
     port = grpc_util.bind(server, cfg.host, cfg.port)
     server.start()
-    grpc_util.set_serving(health, [SERVICE_NAME], True)
-    log.info("detokenizer serving on %s:%d", cfg.host, port)
-    grpc_util.wait_for_termination(server, on_stop=lambda: grpc_util.set_serving(health, [SERVICE_NAME], False))
+    grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
+    log.info("detokenizer serving on %s:%d (metrics on %s:%d)", cfg.host, port, cfg.metrics_host, metrics_port)
+    grpc_util.wait_for_termination(server, on_stop=lambda: grpc_util.set_serving(health, [SERVICE_NAME], False, metrics))

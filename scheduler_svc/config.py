@@ -21,10 +21,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(0, "tokens one step may compute (0: 512 on a CPU worker, 8192 on a GPU)")
     max_num_seqs: int = setting(0, "most requests running at once (0: 64 on a CPU worker, 256 on a GPU)")
     max_waiting: int = setting(1024, "most requests waiting; beyond it Submit returns RESOURCE_EXHAUSTED")
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
+    metrics_port: int = setting(9102, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
         require(self.max_num_batched_tokens >= 0, "max_num_batched_tokens", "must be >= 0")
         require(self.max_num_seqs >= 0, "max_num_seqs", "must be >= 0")
         require(self.max_waiting >= 1, "max_waiting", "must be >= 1")

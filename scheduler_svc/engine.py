@@ -23,7 +23,8 @@ from redis.exceptions import RedisError
 
 from conveyor.errors import NotFound
 from conveyor.state import RequestStore
-from scheduler_svc.policy import Output, Scheduler, StepPlan
+from conveyor.metrics import Metrics
+from scheduler_svc.policy import Counters, Output, Scheduler, StepPlan
 from scheduler_svc.request import Request
 
 log = logging.getLogger("conveyor.scheduler")
@@ -48,12 +49,15 @@ Publish = Callable[[int, list[Output]], None]
 
 class Engine:
     def __init__(self, scheduler: Scheduler, store: RequestStore, transport: StepTransport, publish: Publish,
-                 eos_token_ids: tuple[int, ...], depth: int = 2):
+                 eos_token_ids: tuple[int, ...], depth: int = 2, metrics: Metrics | None = None):
         """``depth``: steps sent to the worker ahead of their answers (2: the next one always waits there)."""
         self.scheduler = scheduler
         self.store = store
         self.transport = transport
         self.depth = depth
+        self.metrics = metrics or Metrics("scheduler")
+        self._counted = Counters()  # the scheduler's counters as last exported
+        self._last_answer = 0.0
         self.publish = publish
         self.eos_token_ids = eos_token_ids
         self.cond = threading.Condition()
@@ -123,6 +127,7 @@ class Engine:
         the oldest answer, apply it, write Redis and publish (the worker meanwhile computes the next)."""
         backoff = 0.1
         in_flight: deque[tuple[StepPlan, list[Output]]] = deque()
+        self._sent_at: dict[int, float] = {}
         while True:
             with self.cond:
                 while not (self._stopped or self.decided or self.scheduler.has_work or in_flight):
@@ -139,6 +144,7 @@ class Engine:
                     in_flight.clear()
                     continue
                 in_flight.append((plan, decided))
+                self._sent_at[plan.step] = time.perf_counter()
                 if len(in_flight) < self.depth:
                     continue  # fill the worker's queue first
             elif decided or (plan is not None and plan.preempted):
@@ -157,7 +163,49 @@ class Engine:
             self.worker_up = True
             with self.cond:
                 outputs = self.scheduler.update(sent, sampled)
+            self._observe(sent, outputs)
             self._write_and_publish(sent, outputs, sent_decided)
+
+    def _observe(self, plan: StepPlan, outputs: list[Output]) -> None:
+        """Export one answered step: its duration and batch, the gauges, and per-request latencies."""
+        m, s = self.metrics, self.scheduler
+        now = time.perf_counter()
+        started = max(self._sent_at.pop(plan.step, now), self._last_answer)  # queued behind the previous step
+        self._last_answer = now
+        decodes = sum(1 for c in plan.chunks
+                      if c.decode_last or (len(c.token_ids) == 1 and c.start_pos >= len(c.request.prompt_ids)))
+        phase = "prefill" if decodes == 0 else "decode" if decodes == len(plan.chunks) else "mixed"
+        m.step_duration_seconds.labels(phase=phase).observe(now - started)
+        m.batch_size.observe(len(plan.chunks))
+        m.batch_tokens.observe(sum(len(c.token_ids) or 1 for c in plan.chunks))
+        mono = time.monotonic()
+        for request in plan.admitted:
+            m.queue_time_seconds.observe(max(0.0, mono - request.queued_at))
+            if request.admitted_at is None:
+                request.admitted_at = mono
+        for output in outputs:
+            request = output.request
+            if output.first_index == 0 and request.admitted_at is not None:
+                m.prefill_time_seconds.observe(request.first_token_at - request.admitted_at)
+            if output.finish_reason is not None and request.first_token_at is not None:
+                m.decode_time_seconds.observe(mono - request.first_token_at)
+        with self.cond:
+            counters = s.counters
+            m.steps.inc(counters.steps - self._counted.steps)
+            m.preemptions.inc(counters.preemptions - self._counted.preemptions)
+            m.aborts.inc(counters.aborts - self._counted.aborts)
+            self._counted = Counters(counters.steps, counters.preemptions, counters.aborts, counters.finished)
+            self.export_gauges()
+
+    def export_gauges(self) -> None:
+        """Queue and cache gauges (call with the lock held)."""
+        m, s = self.metrics, self.scheduler
+        m.requests_running.set(len(s.running))
+        m.requests_waiting.set(len(s.waiting))
+        m.kv_blocks_used.set(s.blocks.num_used)
+        m.kv_blocks_total.set(s.blocks.num_blocks)
+        m.kv_cache_usage_ratio.set(s.blocks.num_used / max(1, s.blocks.num_blocks))
+        m.worker_up.set(1 if self.worker_up else 0)
 
     def _recover(self, plan: StepPlan, exc: Exception, backoff: float, dropped) -> float:
         """The worker failed: requeue everything for recompute, write what was decided, reconnect."""

@@ -56,6 +56,7 @@ class StepPlan:
     free_ids: list[str]  # the worker forgets these first
     free_all: bool = False
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -96,6 +97,7 @@ class Scheduler:
         self.to_free: list[str] = []  # told to the worker in the next step
         self.free_all = False
         self.preempted: list[Request] = []  # since the last plan (their Redis status goes back to waiting)
+        self.admitted: list[Request] = []  # since the last plan (for the queue-time metric)
         self.counters = Counters()
 
     # ------------------------------------------------------------ arrivals and departures
@@ -107,6 +109,7 @@ class Scheduler:
         if not force and len(self.waiting) >= self.max_waiting:
             raise ResourceExhausted(f"the waiting queue is full ({self.max_waiting} requests; --max-waiting)")
         self.requests[request.request_id] = request
+        request.queued_at = time.monotonic()
         self.waiting.append(request)
         return True
 
@@ -154,6 +157,7 @@ class Scheduler:
         request.num_computed = 0
         request.samples_in_flight = 0
         request.epoch += 1
+        request.queued_at = time.monotonic()
         self.waiting.appendleft(request)
         self.preempted.append(request)
         self.counters.preemptions += 1
@@ -202,13 +206,14 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
+            self.admitted.append(request)
             self.running.append(request)
             chunks.append(self._chunk(request, n))
             budget -= n
-        plan = StepPlan(self.counters.steps + 1, chunks, self.to_free, self.free_all, self.preempted)
+        plan = StepPlan(self.counters.steps + 1, chunks, self.to_free, self.free_all, self.preempted, self.admitted)
         if not plan.empty:
             self.counters.steps += 1
-        self.to_free, self.free_all, self.preempted = [], False, []
+        self.to_free, self.free_all, self.preempted, self.admitted = [], False, [], []
         return plan
 
     def _chunk(self, request: Request, n: int) -> Chunk:
@@ -242,6 +247,7 @@ class Scheduler:
                 request.logprobs.append(logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
+                request.first_token_at = time.monotonic()
             output = Output(request, index, [token], [logprobs] if logprobs is not None else [])
             reason = request.finish_check(self.max_model_len)
             if reason is not None:

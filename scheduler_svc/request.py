@@ -28,8 +28,12 @@ class Request:
     num_computed: int = 0  # tokens of prompt + output scheduled (sent to the worker to compute)
     samples_in_flight: int = 0  # sampling chunks sent whose token has not come back yet
     epoch: int = 0  # +1 at each preemption: results of chunks sent before it are stale
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # Unix time (recorded in Redis)
     finish_reason: str | None = None
+    # monotonic timestamps for the latency metrics
+    queued_at: float = 0.0  # last entered the waiting queue (submitted, or preempted)
+    admitted_at: float | None = None  # first admitted to the running set
+    first_token_at: float | None = None
     stopped_by_token: bool = False
 
     @classmethod

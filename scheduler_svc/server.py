@@ -14,6 +14,7 @@ import grpc
 
 from conveyor import grpc_util
 from conveyor.errors import Unavailable
+from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
@@ -199,7 +200,23 @@ def worker_info(stub: worker_pb2_grpc.WorkerStub, address: str) -> worker_pb2.In
             waited += 0.5
 
 
-def build_engine(cfg: SchedulerConfig) -> tuple[Engine, scheduler_pb2.SchedulerInfoResponse]:
+def watch_redis(store: RequestStore, metrics: Metrics, every: float = 5.0) -> None:
+    """Export Redis's round-trip time every few seconds (from a daemon thread)."""
+
+    def run() -> None:
+        while True:
+            try:
+                start = time.perf_counter()
+                store.redis.ping()
+                metrics.redis_rtt_seconds.set(time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - Redis down: the gauge keeps its last value, logged
+                log.warning("Redis ping failed: %s", exc)
+            time.sleep(every)
+
+    threading.Thread(target=run, name="redis-rtt", daemon=True).start()
+
+
+def build_engine(cfg: SchedulerConfig, metrics: Metrics) -> tuple[Engine, scheduler_pb2.SchedulerInfoResponse]:
     worker = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(cfg.worker, options=grpc_util.channel_options()))
     info = worker_info(worker, cfg.worker)
     max_len = min(info.max_model_len, info.num_blocks * info.block_size)
@@ -210,7 +227,9 @@ def build_engine(cfg: SchedulerConfig) -> tuple[Engine, scheduler_pb2.SchedulerI
         grpc.insecure_channel(cfg.detokenizer, options=grpc_util.channel_options())
     )
 
-    engine = Engine(scheduler, store, StepChannel(worker), Publisher(detokenizer), tuple(info.eos_token_ids))
+    engine = Engine(scheduler, store, StepChannel(worker), Publisher(detokenizer), tuple(info.eos_token_ids),
+                    metrics=metrics)
+    watch_redis(store, metrics)
     public = scheduler_pb2.SchedulerInfoResponse(
         model_name=info.model_name, max_model_len=max_len, eos_token_ids=info.eos_token_ids,
         vocab_size=info.vocab_size, max_waiting=cfg.max_waiting, device=info.device, dtype=info.dtype,
@@ -221,17 +240,21 @@ def build_engine(cfg: SchedulerConfig) -> tuple[Engine, scheduler_pb2.SchedulerI
 
 
 def serve(cfg: SchedulerConfig) -> None:
-    server = grpc_util.make_server()
+    metrics = Metrics("scheduler")
+    metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
+    server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     service = SchedulerService()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     port = grpc_util.bind(server, cfg.host, cfg.port)
     server.start()  # health answers NOT_SERVING while we wait for the worker
-    engine, info = build_engine(cfg)
+    engine, info = build_engine(cfg, metrics)
     engine.recover()
     service.ready(engine, info)
+    with engine.cond:
+        engine.export_gauges()
     engine.start()
-    grpc_util.set_serving(health, [SERVICE_NAME], True)
-    log.info("scheduler serving on %s:%d", cfg.host, port)
-    grpc_util.wait_for_termination(server, on_stop=lambda: (grpc_util.set_serving(health, [SERVICE_NAME], False),
+    grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
+    log.info("scheduler serving on %s:%d (metrics on %s:%d)", cfg.host, port, cfg.metrics_host, metrics_port)
+    grpc_util.wait_for_termination(server, on_stop=lambda: (grpc_util.set_serving(health, [SERVICE_NAME], False, metrics),
                                                             engine.stop()))

@@ -22,10 +22,13 @@ class FrontendConfig:
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
     max_stop_strings: int = setting(16, "most stop strings per request")
     max_streams: int = setting(512, "most client streams this frontend serves at once (threads)")
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
+    metrics_port: int = setting(9101, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
         require(0 <= self.internal_port < 65536, "internal_port", f"must be in [0, 65535], got {self.internal_port}")
         require(self.max_stop_strings >= 0, "max_stop_strings", "must be >= 0")
         require(self.max_streams >= 1, "max_streams", "must be >= 1")

@@ -12,8 +12,9 @@ import time
 import grpc
 
 from conveyor import grpc_util
-from conveyor.errors import InvalidArgument, ResourceExhausted, Unavailable
+from conveyor.errors import ConveyorError, InvalidArgument, ResourceExhausted, Unavailable
 from conveyor.messages import Delta
+from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
@@ -111,23 +112,73 @@ class SchedulerClient:
 # ---------------------------------------------------------------- the services
 
 
+class RequestTimer:
+    """The client-side latencies of one request, recorded into the frontend's metrics."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.arrival = time.perf_counter()
+        self.first: float | None = None
+        self.last = self.arrival
+        self.tokens = 0
+
+    def sent(self, delta: ClientDelta) -> None:
+        now, k = time.perf_counter(), len(delta.token_ids)
+        if k:
+            if self.first is None:  # the first token's latency is the TTFT; any others came with it
+                self.first = now
+                self.m.time_to_first_token_seconds.observe(now - self.arrival)
+                count, gap = k - 1, 0.0
+            else:
+                count, gap = k, now - self.last
+            for _ in range(count):
+                self.m.inter_token_latency_seconds.observe(gap / count)
+            self.m.generation_tokens.inc(k)
+            self.tokens += len(delta.token_ids)
+            self.last = now
+        if delta.finish_reason is not None:
+            self.finished(delta.finish_reason, delta.prompt_tokens)
+
+    def finished(self, reason: str, prompt_tokens: int) -> None:
+        e2e = time.perf_counter() - self.arrival
+        self.m.e2e_request_latency_seconds.observe(e2e)
+        self.m.requests.labels(finish_reason=reason).inc()
+        self.m.prompt_tokens.inc(prompt_tokens)
+        self.m.request_prompt_tokens.observe(prompt_tokens)
+        self.m.request_generation_tokens.observe(self.tokens)
+        if self.first is not None and self.tokens > 1:
+            self.m.time_per_output_token_seconds.observe((e2e - (self.first - self.arrival)) / (self.tokens - 1))
+
+
 class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
-    def __init__(self, frontend: Frontend, info: conveyor_pb2.ServerInfoResponse):
+    def __init__(self, frontend: Frontend, info: conveyor_pb2.ServerInfoResponse, metrics: Metrics):
         self.frontend = frontend
         self.info = info
+        self.metrics = metrics
 
     def Generate(self, request, context):
-        stream = self.frontend.open(input_from_pb(request))
+        timer = RequestTimer(self.metrics)
+        try:
+            stream = self.frontend.open(input_from_pb(request))
+        except ConveyorError as exc:
+            self.metrics.requests_rejected.labels(reason=exc.code.lower()).inc()
+            raise
         context.add_callback(lambda: self.frontend.close(stream.request_id))
-        while True:
-            delta = stream.next(POLL_SECONDS)
-            if delta is None:
-                if not context.is_active():
+        self.metrics.client_streams.inc()
+        try:
+            while True:
+                delta = stream.next(POLL_SECONDS)
+                if delta is None:
+                    if not context.is_active():  # cancelled, disconnected or past its deadline
+                        timer.finished("abort", stream.prompt_tokens)
+                        return
+                    continue
+                yield client_delta_to_pb(delta)
+                timer.sent(delta)
+                if delta.finish_reason is not None:
                     return
-                continue
-            yield client_delta_to_pb(delta)
-            if delta.finish_reason is not None:
-                return
+        finally:
+            self.metrics.client_streams.dec()
 
     def Abort(self, request, context):
         return conveyor_pb2.AbortResponse(aborted=self.frontend.abort(request.request_id))
@@ -159,9 +210,11 @@ def serve(cfg: FrontendConfig) -> None:
     tokenizer = load_tokenizer(cfg.model)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
     scheduler = SchedulerClient(cfg.scheduler)
-    internal = grpc_util.make_server(max_workers=8)
+    metrics = Metrics("frontend")
+    metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
+    internal = grpc_util.make_server(max_workers=8, metrics=metrics)
     internal_health = grpc_util.add_health_and_reflection(internal, [INTERNAL_SERVICE])
-    public = grpc_util.make_server(max_workers=cfg.max_streams + 8)
+    public = grpc_util.make_server(max_workers=cfg.max_streams + 8, metrics=metrics)
     public_health = grpc_util.add_health_and_reflection(public, [PUBLIC_SERVICE])
     sinfo = scheduler.info()
     limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings)
@@ -172,18 +225,18 @@ def serve(cfg: FrontendConfig) -> None:
         has_chat_template=bool(tokenizer.chat_template), worker=f"{sinfo.device}/{sinfo.dtype}",
     )
     frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
-    conveyor_pb2_grpc.add_ConveyorServicer_to_server(ConveyorService(frontend, info), public)
+    conveyor_pb2_grpc.add_ConveyorServicer_to_server(ConveyorService(frontend, info, metrics), public)
     internal_port = grpc_util.bind(internal, cfg.internal_host, cfg.internal_port)
     port = grpc_util.bind(public, cfg.host, cfg.port)
     internal.start()
     public.start()
     grpc_util.set_serving(internal_health, [INTERNAL_SERVICE], True)
-    grpc_util.set_serving(public_health, [PUBLIC_SERVICE], True)
-    log.info("frontend serving %s on %s:%d (deliveries on %s:%d)", sinfo.model_name, cfg.host, port,
-             cfg.internal_host, internal_port)
+    grpc_util.set_serving(public_health, [PUBLIC_SERVICE], True, metrics)
+    log.info("frontend serving %s on %s:%d (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name, cfg.host,
+             port, cfg.internal_host, internal_port, cfg.metrics_host, metrics_port)
 
     def stop() -> None:
-        grpc_util.set_serving(public_health, [PUBLIC_SERVICE], False)
+        grpc_util.set_serving(public_health, [PUBLIC_SERVICE], False, metrics)
         internal.stop(5)
 
     grpc_util.wait_for_termination(public, on_stop=stop)

@@ -27,10 +27,13 @@ class WorkerConfig:
         choices=("auto", "on", "off"),
     )
     seed: int | None = setting(None, "seed of the worker's generator for unseeded requests")
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
+    metrics_port: int = setting(9103, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
         require(1 <= self.block_size <= 1024, "block_size", f"must be in [1, 1024], got {self.block_size}")
         require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
         require(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction", "must be in (0, 1]")

@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from conveyor import grpc_util
+from conveyor.metrics import Metrics
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCache, bytes_per_block, kv_budget_bytes
@@ -97,9 +98,10 @@ def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> wo
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, info: worker_pb2.InfoResponse):
+    def __init__(self, runner: ModelRunner, info: worker_pb2.InfoResponse, metrics: Metrics):
         self.runner = runner
         self.info = info
+        self.metrics = metrics
         # Every step runs on this one thread: steps mutate the cache and sequence state, and an
         # OpenMP runtime keeps a thread team per calling thread (gRPC's pool would make many).
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
@@ -148,7 +150,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def _run(self, step_id: int, step: StepInput) -> worker_pb2.StepResponse:
         start = time.perf_counter()
         results = self.runner.step(step)
-        return results_to_pb(step_id, results, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.metrics.worker_forward_seconds.observe(seconds)
+        self.metrics.worker_tokens.inc(sum(len(c.token_ids) or 1 for c in step.chunks))
+        self.metrics.worker_sequences.set(len(self.runner.seqs))
+        return results_to_pb(step_id, results, seconds)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -192,12 +198,15 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
 
 
 def serve(cfg: WorkerConfig) -> None:
-    server = grpc_util.make_server()
+    metrics = Metrics("worker")
+    metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
+    server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     runner, _loaded, info = build_runner(cfg)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner, info), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner, info, metrics), server)
     port = grpc_util.bind(server, cfg.host, cfg.port)
     server.start()
-    grpc_util.set_serving(health, [SERVICE_NAME], True)
-    log.info("worker serving %s on %s:%d", info.model_name, cfg.host, port)
-    grpc_util.wait_for_termination(server, on_stop=lambda: grpc_util.set_serving(health, [SERVICE_NAME], False))
+    grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
+    log.info("worker serving %s on %s:%d (metrics on %s:%d)", info.model_name, cfg.host, port, cfg.metrics_host,
+             metrics_port)
+    grpc_util.wait_for_termination(server, on_stop=lambda: grpc_util.set_serving(health, [SERVICE_NAME], False, metrics))

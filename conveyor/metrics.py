@@ -1,0 +1,147 @@
+"""Every Prometheus metric Conveyor exports, in one place (names, help, labels, buckets, process).
+
+Each process serves its own registry on ``--metrics-port`` (``/metrics``): the dashboards in
+``deploy/grafana`` and the table in ``docs/metrics.md`` use only the names defined here, and
+``tests/test_observability.py`` checks that each one exists on its process. Latency buckets run from
+1 ms (GPU inter-token latency) to minutes (CPU prefill of long prompts, queueing under load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                   0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kind: type
+    help: str
+    process: str  # frontend | scheduler | worker | detokenizer | every
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+SPECS = [
+    # frontend: what the client sees
+    Spec("conveyor_time_to_first_token_seconds", Histogram, "Request arrival at the frontend to its first token "
+         "sent to the client.", "frontend", buckets=LATENCY_BUCKETS),
+    Spec("conveyor_time_per_output_token_seconds", Histogram, "Per request: (end-to-end - time to first token) / "
+         "(output tokens - 1).", "frontend", buckets=LATENCY_BUCKETS),
+    Spec("conveyor_inter_token_latency_seconds", Histogram, "Per output token after the first: time since the "
+         "previous one reached the client (a delta of k tokens counts k times, each gap/k).", "frontend",
+         buckets=LATENCY_BUCKETS),
+    Spec("conveyor_e2e_request_latency_seconds", Histogram, "Request arrival to its last delta.", "frontend",
+         buckets=LATENCY_BUCKETS),
+    Spec("conveyor_request_prompt_tokens", Histogram, "Prompt length of finished requests.", "frontend",
+         buckets=TOKEN_BUCKETS),
+    Spec("conveyor_request_generation_tokens", Histogram, "Output length of finished requests.", "frontend",
+         buckets=TOKEN_BUCKETS),
+    Spec("conveyor_prompt_tokens_total", Counter, "Prompt tokens of finished requests.", "frontend"),
+    Spec("conveyor_generation_tokens_total", Counter, "Output tokens sent to clients.", "frontend"),
+    Spec("conveyor_requests_total", Counter, "Finished requests by finish reason (stop, length, abort).", "frontend",
+         ("finish_reason",)),
+    Spec("conveyor_requests_rejected_total", Counter, "Requests refused before they ran, by reason "
+         "(invalid_argument, resource_exhausted, already_exists, unavailable).", "frontend", ("reason",)),
+    Spec("conveyor_client_streams", Gauge, "Client streams open on this frontend.", "frontend"),
+    # scheduler: queue, cache, steps
+    Spec("conveyor_requests_running", Gauge, "Requests in the running set.", "scheduler"),
+    Spec("conveyor_requests_waiting", Gauge, "Requests in the waiting queue.", "scheduler"),
+    Spec("conveyor_kv_blocks_used", Gauge, "KV cache blocks held by requests.", "scheduler"),
+    Spec("conveyor_kv_blocks_total", Gauge, "KV cache blocks of the worker.", "scheduler"),
+    Spec("conveyor_kv_cache_usage_ratio", Gauge, "Used / total KV cache blocks (0 to 1).", "scheduler"),
+    Spec("conveyor_queue_time_seconds", Histogram, "Submit to first scheduled (again after a preemption).",
+         "scheduler", buckets=LATENCY_BUCKETS),
+    Spec("conveyor_prefill_time_seconds", Histogram, "First scheduled to first output token.", "scheduler",
+         buckets=LATENCY_BUCKETS),
+    Spec("conveyor_decode_time_seconds", Histogram, "First output token to finish.", "scheduler",
+         buckets=LATENCY_BUCKETS),
+    Spec("conveyor_step_duration_seconds", Histogram, "Engine step, sent to answered, by phase (prefill: only "
+         "prompt chunks; decode: only decode tokens; mixed: both).", "scheduler", ("phase",), LATENCY_BUCKETS),
+    Spec("conveyor_batch_size", Histogram, "Sequences in one engine step.", "scheduler", buckets=BATCH_BUCKETS),
+    Spec("conveyor_batch_tokens", Histogram, "Tokens computed in one engine step.", "scheduler", buckets=TOKEN_BUCKETS),
+    Spec("conveyor_preemptions_total", Counter, "Requests preempted (KV freed, recomputed later).", "scheduler"),
+    Spec("conveyor_aborts_total", Counter, "Requests aborted (client cancel, disconnect, deadline, Abort).",
+         "scheduler"),
+    Spec("conveyor_steps_total", Counter, "Engine steps run.", "scheduler"),
+    Spec("conveyor_worker_up", Gauge, "1 while the worker answers steps, 0 while it is unreachable.", "scheduler"),
+    Spec("conveyor_redis_rtt_seconds", Gauge, "Round-trip time of the last Redis ping.", "scheduler"),
+    # worker
+    Spec("conveyor_worker_forward_seconds", Histogram, "Worker compute of one step (forward and sampling).", "worker",
+         buckets=LATENCY_BUCKETS),
+    Spec("conveyor_worker_tokens_total", Counter, "Tokens the worker computed (prompt chunks and decodes).", "worker"),
+    Spec("conveyor_worker_sequences", Gauge, "Sequences the worker holds state for.", "worker"),
+    # detokenizer
+    Spec("conveyor_detokenizer_push_seconds", Histogram, "Handling one step's tokens (decode, stop strings, "
+         "delivery to frontends).", "detokenizer", buckets=LATENCY_BUCKETS),
+    Spec("conveyor_detokenizer_tokens_total", Counter, "Tokens turned into text.", "detokenizer"),
+    Spec("conveyor_stop_string_matches_total", Counter, "Requests ended by a stop string.", "detokenizer"),
+    # every process
+    Spec("conveyor_grpc_errors_total", Counter, "gRPC calls answered with an error, by method and status code.",
+         "every", ("method", "code")),
+    Spec("conveyor_process_up", Gauge, "1 while the process serves (its health is SERVING).", "every"),
+]
+BY_NAME = {s.name: s for s in SPECS}
+
+
+class Metrics:
+    """One process's metrics: ``m.get("conveyor_batch_size").observe(8)`` or attribute style ``m.batch_size``."""
+
+    def __init__(self, process: str):
+        self.process = process
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._metrics = {}
+        for spec in SPECS:
+            if spec.process not in (process, "every"):
+                continue
+            kwargs = {"buckets": spec.buckets} if spec.buckets else {}
+            name = spec.name.removesuffix("_total") if spec.kind is Counter else spec.name
+            self._metrics[spec.name] = spec.kind(name, spec.help, spec.labels, registry=self.registry, **kwargs)
+
+    def get(self, name: str):
+        return self._metrics[name]
+
+    def __getattr__(self, short: str):
+        metrics = self.__dict__["_metrics"]
+        for name in (f"conveyor_{short}", f"conveyor_{short}_total"):
+            if name in metrics:
+                return metrics[name]
+        raise AttributeError(f"{self.process} has no metric conveyor_{short}")
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``port`` (0: a free one); returns the port, or 0 when ``port`` is None."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+
+def names_for(process: str) -> list[str]:
+    return [s.name for s in SPECS if s.process in (process, "every")]
+
+
+def markdown_table() -> str:
+    """The table in docs/metrics.md (``python -m conveyor.metrics > docs/metrics.md`` rewrites it)."""
+    kinds = {Histogram: "histogram", Counter: "counter", Gauge: "gauge"}
+    lines = [
+        "# Metrics",
+        "",
+        "Every process serves Prometheus metrics on its own `--metrics-port` (frontend 9101, scheduler 9102,",
+        "worker 9103, detokenizer 9104). Generated from `conveyor/metrics.py` by `python -m conveyor.metrics`;",
+        "a test fails when this file and the code disagree.",
+        "",
+        "| name | type | process | labels | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for s in SPECS:
+        labels = ", ".join(s.labels) or "-"
+        lines.append(f"| `{s.name}` | {kinds[s.kind]} | {s.process} | {labels} | {s.help} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -1,0 +1,113 @@
+"""Writes the Grafana dashboards in deploy/grafana/dashboards/ (``python deploy/grafana/make_dashboards.py``).
+
+The JSON is generated so that every panel is built the same way and only names from
+``conveyor/metrics.py`` appear; ``tests/test_observability.py`` checks the files are up to date and
+evaluates every query against a real Prometheus scraping a running stack.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "dashboards"
+RATE = "$__rate_interval"
+DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+
+
+def quantiles(metric: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
+    """(legend, expr) per quantile of a histogram."""
+    group = f"le{', ' + by if by else ''}"
+    label = f" {{{{{by}}}}}" if by else ""
+    return [(f"p{int(q * 100)}{label}",
+             f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket[{RATE}])))") for q in qs]
+
+
+def panel(title: str, targets: list[tuple[str, str]], unit: str = "short", kind: str = "timeseries",
+          description: str = "") -> dict:
+    return {
+        "type": kind, "title": title, "description": description, "datasource": DATASOURCE,
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [{"refId": chr(65 + i), "expr": expr, "legendFormat": legend, "datasource": DATASOURCE}
+                    for i, (legend, expr) in enumerate(targets)],
+    }
+
+
+def dashboard(uid: str, title: str, panels: list[dict]) -> dict:
+    for i, p in enumerate(panels):  # two panels per row, 8 units high
+        p["id"] = i + 1
+        p["gridPos"] = {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)}
+    return {
+        "uid": uid, "title": title, "tags": ["conveyor"], "timezone": "browser", "schemaVersion": 39,
+        "version": 1, "refresh": "10s", "time": {"from": "now-30m", "to": "now"}, "panels": panels,
+        "templating": {"list": []}, "annotations": {"list": []},
+    }
+
+
+def overview() -> dict:
+    return dashboard("conveyor-overview", "Conveyor / Overview", [
+        panel("Requests finished / s", [("{{finish_reason}}",
+              f"sum by (finish_reason) (rate(conveyor_requests_total[{RATE}]))")], "reqps"),
+        panel("Tokens / s", [("prompt (in)", f"sum(rate(conveyor_prompt_tokens_total[{RATE}]))"),
+                             ("generated (out)", f"sum(rate(conveyor_generation_tokens_total[{RATE}]))")]),
+        panel("Time to first token", quantiles("conveyor_time_to_first_token_seconds"), "s"),
+        panel("Time per output token", quantiles("conveyor_time_per_output_token_seconds"), "s"),
+        panel("Inter-token latency", quantiles("conveyor_inter_token_latency_seconds"), "s"),
+        panel("End-to-end latency", quantiles("conveyor_e2e_request_latency_seconds"), "s"),
+        panel("Errors / s", [("{{code}}", f"sum by (code) (rate(conveyor_grpc_errors_total[{RATE}]))"),
+                             ("rejected: {{reason}}",
+                              f"sum by (reason) (rate(conveyor_requests_rejected_total[{RATE}]))")], "reqps"),
+        panel("Open client streams", [("{{instance}}", "sum by (instance) (conveyor_client_streams)")]),
+    ])
+
+
+def scheduler() -> dict:
+    return dashboard("conveyor-scheduler", "Conveyor / Scheduler", [
+        panel("Requests running and waiting", [("running", "sum(conveyor_requests_running)"),
+                                               ("waiting", "sum(conveyor_requests_waiting)")]),
+        panel("KV cache usage", [("used / total", "max(conveyor_kv_cache_usage_ratio)")], "percentunit"),
+        panel("KV blocks", [("used", "sum(conveyor_kv_blocks_used)"), ("total", "sum(conveyor_kv_blocks_total)")]),
+        panel("Preemptions and aborts / s", [("preemptions", f"sum(rate(conveyor_preemptions_total[{RATE}]))"),
+                                             ("aborts", f"sum(rate(conveyor_aborts_total[{RATE}]))")], "ops"),
+        panel("Batch size (sequences per step)", quantiles("conveyor_batch_size", qs=(0.5, 0.9))),
+        panel("Tokens per step", quantiles("conveyor_batch_tokens", qs=(0.5, 0.9))),
+        panel("Step time by phase", quantiles("conveyor_step_duration_seconds", by="phase", qs=(0.5, 0.9)), "s"),
+        panel("Steps / s", [("steps", f"sum(rate(conveyor_steps_total[{RATE}]))")], "ops"),
+        panel("Queue time", quantiles("conveyor_queue_time_seconds"), "s"),
+        panel("Prefill and decode time", quantiles("conveyor_prefill_time_seconds", qs=(0.5, 0.9))
+              + [(f"decode {legend}", expr) for legend, expr in quantiles("conveyor_decode_time_seconds", qs=(0.5, 0.9))],
+              "s"),
+    ])
+
+
+def health() -> dict:
+    return dashboard("conveyor-health", "Conveyor / Health", [
+        panel("Processes up", [("{{service}}", "max by (service) (conveyor_process_up)")], kind="stat"),
+        panel("Worker reachable (scheduler's view)", [("worker", "max(conveyor_worker_up)")], kind="stat"),
+        panel("Redis round trip", [("rtt", "max(conveyor_redis_rtt_seconds)")], "s"),
+        panel("gRPC errors by method", [("{{method}} {{code}}",
+              f"sum by (method, code) (increase(conveyor_grpc_errors_total[{RATE}]))")]),
+        panel("Worker forward time", quantiles("conveyor_worker_forward_seconds", qs=(0.5, 0.9)), "s"),
+        panel("Worker tokens / s and sequences held",
+              [("tokens / s", f"sum(rate(conveyor_worker_tokens_total[{RATE}]))"),
+               ("sequences", "sum(conveyor_worker_sequences)")]),
+        panel("Detokenizer step handling", quantiles("conveyor_detokenizer_push_seconds", qs=(0.5, 0.9)), "s"),
+        panel("Detokenizer tokens / s and stop-string matches",
+              [("tokens / s", f"sum(rate(conveyor_detokenizer_tokens_total[{RATE}]))"),
+               ("stop strings / s", f"sum(rate(conveyor_stop_string_matches_total[{RATE}]))")]),
+    ])
+
+
+DASHBOARDS = {"overview.json": overview, "scheduler.json": scheduler, "health.json": health}
+
+
+def render() -> dict[str, str]:
+    return {name: json.dumps(build(), indent=2) + "\n" for name, build in DASHBOARDS.items()}
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, text in render().items():
+        (OUT / name).write_text(text)
+        print(OUT / name)
