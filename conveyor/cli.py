@@ -4,6 +4,7 @@
     conveyor serve <service> [flags]      one process: worker, scheduler, detokenizer or frontend
     conveyor generate "prompt" [flags]    stream an answer from a running stack
     conveyor chat [flags]                 an interactive chat with a running stack
+    conveyor bench [flags]                a serving benchmark against a running stack
 
 Every ``serve`` flag has an environment variable (``CONVEYOR_<SERVICE>_<FLAG>``); ``--help`` lists them.
 """
@@ -48,6 +49,12 @@ def _up(args: argparse.Namespace) -> int:
     cfg = from_args(UpConfig, args)
     logging.getLogger().setLevel(cfg.log_level.upper())
     return run(cfg)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from conveyor.bench import BenchConfig, run
+
+    return run(from_args(BenchConfig, args))
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -123,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     _client_flags(generate)
     generate.set_defaults(run=_generate)
+    from conveyor.bench import ENV_PREFIX as BENCH_ENV, BenchConfig
+
+    bench = commands.add_parser("bench", help="a serving benchmark against a running stack (sweeps, JSON, plot)")
+    add_arguments(bench, BenchConfig, BENCH_ENV)
+    bench.set_defaults(run=_bench)
     chat = commands.add_parser("chat", help="chat with a running stack (reads lines from stdin)")
     chat.add_argument("--system", default="", help="a system message")
     _client_flags(chat)

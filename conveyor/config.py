@@ -38,9 +38,11 @@ def setting(default, help: str, **extra):  # noqa: A002 - mirrors argparse's key
 
 
 def _base_type(annotation):
-    """``int | None`` -> ``int``."""
+    """``int | None`` -> ``int``; ``list[int]`` -> ``int`` (the field sets ``nargs``)."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0]
     return annotation
 
 

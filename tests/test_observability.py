@@ -230,3 +230,32 @@ def test_compose_commands_ports_and_health_checks_match_the_cli():
                                   for a in compose["services"][service]["command"]])
         assert entry["targets"] == [f"{service}:{args.metrics_port}"]
     assert Path(ROOT / "Dockerfile").read_text().count("ENTRYPOINT") == 1
+
+
+# ---------------------------------------------------------------- conveyor bench
+
+
+def test_conveyor_bench_sweeps_and_writes_json_and_a_plot(stack, tmp_path):
+    from helpers import conveyor_command
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    done = subprocess.run(
+        conveyor_command("bench", "--target", stack.endpoint, "--concurrency", "1", "4", "--num-requests", "4",
+                         "--prompt-tokens", "24", "--max-tokens", "8", "--warmup", "1", "--json", str(out),
+                         "--plot", str(png)),
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "concurrency 1" in done.stdout and "concurrency 4" in done.stdout and "TTFT p50" in done.stdout
+    assert "4/4" in done.stderr  # the progress bar
+    report = json.loads(out.read_text())
+    assert [level["level"] for level in report["levels"]] == ["concurrency 1", "concurrency 4"]
+    for level in report["levels"]:
+        assert level["summary"]["failures"] == 0 and level["summary"]["output_tokens_per_second"] > 0
+        assert all(r["output_tokens"] == 8 and r["prompt_tokens"] == 24 for r in level["requests"])
+        assert level["summary"]["ttft"]["p50"] <= level["summary"]["e2e"]["p50"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rate = subprocess.run(conveyor_command("bench", "--target", stack.endpoint, "--rate", "4", "--num-requests", "3",
+                                           "--prompt-tokens", "8", "--max-tokens", "4", "--warmup", "0"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rate.returncode == 0 and "rate 4/s" in rate.stdout

@@ -1,0 +1,269 @@
+"""``conveyor bench``: a serving benchmark against a running stack, through the SDK.
+
+    conveyor bench --concurrency 1 8 32 --num-requests 32 --prompt-tokens 128 --max-tokens 64 \\
+        --json bench.json --plot bench.png
+    conveyor bench --rate 0.5 1 2 --num-requests 40          # Poisson arrivals, requests/s
+
+Each level sends ``--num-requests`` requests (after ``--warmup`` untimed ones): either ``c`` at a
+time (fixed concurrency) or arriving as a Poisson process at a rate. Prompts are exactly
+``--prompt-tokens`` tokens (random single-token words, drawn with ``--seed``, checked with the
+server's Tokenize) and outputs exactly ``--max-tokens`` (``ignore_eos``). Reported per level:
+requests/s, output tokens/s, TTFT / TPOT / ITL / end-to-end at p50 / p90 / p99, and failures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from conveyor.client import Client
+from conveyor.config import require, setting
+from conveyor.errors import ConveyorError
+
+ENV_PREFIX = "CONVEYOR_BENCH_"
+WORDS = ("the cat dog sun sea sky red blue tree book road home time day way man car city house water light "
+         "green small big old new good long high hand part eye place work world life school game river stone").split()
+
+
+@dataclass
+class BenchConfig:
+    target: str = setting("127.0.0.1:50051", "the frontend's address")
+    concurrency: list[int] = setting(None, "fixed-concurrency levels to sweep (default: 1 8 32 unless --rate)", nargs="+")
+    rate: list[float] = setting(None, "Poisson arrival rates to sweep, in requests/s (instead of --concurrency)",
+                                nargs="+")
+    num_requests: int = setting(32, "timed requests per level")
+    prompt_tokens: int = setting(128, "prompt length in tokens (exact)")
+    max_tokens: int = setting(64, "output length in tokens (exact: ignore_eos)")
+    seed: int = setting(0, "seed of the prompts and of the arrival times")
+    warmup: int = setting(2, "untimed requests before each level")
+    timeout: float = setting(600.0, "deadline of each request, in seconds")
+    json: str = setting("", "write the results (summaries and every request) to this JSON file")
+    plot: str = setting("", "draw latency distributions and throughput over time to this PNG file")
+
+    def __post_init__(self):
+        require(self.num_requests >= 1, "num_requests", "must be >= 1")
+        require(self.prompt_tokens >= 1 and self.max_tokens >= 1, "prompt_tokens", "and --max-tokens must be >= 1")
+        require(not (self.rate and self.concurrency), "rate", "and --concurrency cannot be combined")
+        require(all(r > 0 for r in self.rate or []), "rate", "must be > 0")
+        require(all(c >= 1 for c in self.concurrency or []), "concurrency", "must be >= 1")
+        if not self.rate and not self.concurrency:
+            self.concurrency = [1, 8, 32]
+
+
+@dataclass
+class RequestResult:
+    start: float  # seconds since the level started
+    ttft: float | None = None
+    token_times: list[float] = field(default_factory=list)  # arrival of each output token, since start
+    end: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0  # as the server counted them
+    error: str | None = None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def make_prompts(client: Client, count: int, tokens: int, seed: int) -> list[str]:
+    """``count`` prompts of exactly ``tokens`` tokens: random words that are one token each."""
+    rng = random.Random(seed)
+    single = [w for w in WORDS if len(client.tokenize(" " + w)) == 1]
+    if not single:
+        raise RuntimeError("no single-token words for this tokenizer")
+    prompts = []
+    for _ in range(count):
+        text = "".join(" " + rng.choice(single) for _ in range(tokens))
+        ids = client.tokenize(text)
+        while len(ids) > tokens:  # a tokenizer that merges neighbours: trim until exact
+            text = text[: text.rfind(" ")]
+            ids = client.tokenize(text)
+        while len(ids) < tokens:
+            text += " " + rng.choice(single)
+            ids = client.tokenize(text)
+        prompts.append(text)
+    return prompts
+
+
+def one_request(client: Client, prompt: str, cfg: BenchConfig, level_start: float) -> RequestResult:
+    result = RequestResult(start=time.perf_counter() - level_start)
+    try:
+        for delta in client.stream(prompt, max_tokens=cfg.max_tokens, ignore_eos=True, temperature=0.0,
+                                   timeout=cfg.timeout):
+            now = time.perf_counter() - level_start
+            if delta.token_ids and result.ttft is None:
+                result.ttft = now - result.start
+            result.token_times += [now] * len(delta.token_ids)
+            result.output_tokens += len(delta.token_ids)
+            result.prompt_tokens = delta.prompt_tokens or result.prompt_tokens
+        result.end = time.perf_counter() - level_start
+    except ConveyorError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.done = label, total, 0
+        self.lock = threading.Lock()
+        self._draw()
+
+    def tick(self) -> None:
+        with self.lock:
+            self.done += 1
+            self._draw()
+
+    def _draw(self) -> None:
+        width = 30
+        filled = width * self.done // self.total
+        sys.stderr.write(f"\r{self.label:>16} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def run_level(client: Client, prompts: list[str], cfg: BenchConfig, concurrency: int | None = None,
+              rate: float | None = None) -> tuple[list[RequestResult], float]:
+    """All requests of one level; returns the results and the level's wall time."""
+    label = f"concurrency {concurrency}" if rate is None else f"rate {rate:g}/s"
+    for prompt in prompts[: cfg.warmup]:
+        one_request(client, prompt, cfg, time.perf_counter())
+    timed = prompts[cfg.warmup :]
+    progress = Progress(label, len(timed))
+    start = time.perf_counter()
+
+    def job(prompt: str) -> RequestResult:
+        result = one_request(client, prompt, cfg, start)
+        progress.tick()
+        return result
+
+    if rate is None:
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(job, timed))
+    else:
+        rng = random.Random(cfg.seed)
+        with ThreadPoolExecutor(min(256, len(timed))) as pool:
+            futures, at = [], 0.0
+            for prompt in timed:
+                at += rng.expovariate(rate)
+                time.sleep(max(0.0, at - (time.perf_counter() - start)))
+                futures.append(pool.submit(job, prompt))
+            results = [f.result() for f in futures]
+    return results, time.perf_counter() - start
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    if len(values) == 1:
+        return {"p50": values[0], "p90": values[0], "p99": values[0]}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": cuts[49], "p90": cuts[89], "p99": cuts[98]}
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    return {
+        "requests": len(results), "failures": len(results) - len(ok), "wall_seconds": wall,
+        "requests_per_second": len(ok) / wall, "output_tokens_per_second": sum(r.output_tokens for r in ok) / wall,
+        "ttft": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "tpot": percentiles([r.tpot for r in ok if r.tpot is not None]),
+        "itl": percentiles(itl),
+        "e2e": percentiles([r.e2e for r in ok]),
+    }
+
+
+def print_table(levels: list[tuple[str, dict]]) -> None:
+    def ms(value):
+        return f"{value * 1000:8.1f}" if value is not None else f"{'-':>8}"
+
+    head = f"{'level':>16}{'req/s':>8}{'out tok/s':>11}{'fail':>6}"
+    for metric in ("TTFT", "TPOT", "ITL", "E2E"):
+        head += "".join(f"{metric + ' ' + q:>9}" for q in ("p50", "p90", "p99"))
+    print(head + "   (latencies in ms)")
+    for label, s in levels:
+        row = f"{label:>16}{s['requests_per_second']:8.2f}{s['output_tokens_per_second']:11.1f}{s['failures']:6d}"
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            row += "".join(f"{ms(s[metric][q]):>9}" for q in ("p50", "p90", "p99"))
+        print(row)
+
+
+def plot(levels: list[tuple[str, list[RequestResult]]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    panels = [("time to first token (s)", lambda rs: [r.ttft for r in rs if r.ttft is not None]),
+              ("time per output token (s)", lambda rs: [r.tpot for r in rs if r.tpot is not None]),
+              ("inter-token latency (s)", lambda rs: [b - a for r in rs for a, b in zip(r.token_times, r.token_times[1:])]),
+              ("end-to-end latency (s)", lambda rs: [r.e2e for r in rs if r.e2e is not None])]
+    for ax, (title, pick) in zip(axes.flat, panels):
+        for label, results in levels:
+            values = sorted(pick([r for r in results if r.error is None]))
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+        ax.set_title(title + ": cumulative share")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes.flat[4]
+    for label, results in levels:
+        times = sorted(t for r in results for t in r.token_times)
+        if times:
+            buckets = [0] * (int(times[-1]) + 1)
+            for t in times:
+                buckets[int(t)] += 1
+            ax.plot(range(len(buckets)), buckets, label=label)
+    ax.set_title("output tokens / s over time")
+    ax.set_xlabel("seconds since the level started")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    axes.flat[5].axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: BenchConfig) -> int:
+    with Client(cfg.target, timeout=cfg.timeout) as client:
+        info = client.server_info()
+        print(f"{info.model_name} on {info.worker} at {cfg.target}: prompts {cfg.prompt_tokens} tokens, outputs "
+              f"{cfg.max_tokens} tokens, {cfg.num_requests} requests per level (+{cfg.warmup} warm-up), seed {cfg.seed}",
+              flush=True)
+        prompts = make_prompts(client, cfg.num_requests + cfg.warmup, cfg.prompt_tokens, cfg.seed)
+        levels: list[tuple[str, list[RequestResult], float]] = []
+        for c in cfg.concurrency or []:
+            results, wall = run_level(client, prompts, cfg, concurrency=c)
+            levels.append((f"concurrency {c}", results, wall))
+        for r in cfg.rate or []:
+            results, wall = run_level(client, prompts, cfg, rate=r)
+            levels.append((f"rate {r:g}/s", results, wall))
+    summaries = [(label, summarize(results, wall)) for label, results, wall in levels]
+    print_table(summaries)
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump({"config": asdict(cfg), "model": info.model_name,
+                       "levels": [{"level": label, "summary": s, "requests": [asdict(r) for r in results]}
+                                  for (label, s), (_, results, _) in zip(summaries, levels)]}, f, indent=1)
+        print(f"results: {cfg.json}")
+    if cfg.plot:
+        plot([(label, results) for label, results, _ in levels], cfg.plot)
+        print(f"plot: {cfg.plot}")
+    return 1 if any(s["failures"] for _, s in summaries) else 0
