@@ -98,8 +98,9 @@ def main() -> None:
     need = max(args.concurrency) * ((args.prompt_tokens + args.max_tokens + 32) // 16 + 1)
     runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, "cpu", torch.float32),
                          loaded.max_model_len, seed=0)
+    free = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
     stack = start(UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                           kv_cache_bytes=1 << 30, log_level="WARNING"))
+                           kv_cache_bytes=1 << 30, log_level="WARNING", **free))
     try:
         with Client(stack.endpoint, timeout=1200) as client:
             prompt = prompt_text(client, args.prompt_tokens)

@@ -38,10 +38,17 @@ def conveyor_command(*args: str) -> list[str]:
 
 
 def spawn(*args: str) -> subprocess.Popen:
+    """``conveyor <args>`` as a child process; a served process gets a free metrics port."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    extra = ["--metrics-port", "0"] if args[:1] == ("serve",) else []
     return subprocess.Popen(
-        conveyor_command(*args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        conveyor_command(*args, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+FREE_METRICS_PORTS = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
+FREE_METRICS_FLAGS = [a for name in ("frontend", "scheduler", "worker", "detokenizer")
+                      for a in (f"--{name}-metrics-port", "0")]
 
 
 def stop(proc: subprocess.Popen) -> None:

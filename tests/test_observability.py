@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, free_port
+from helpers import FREE_METRICS_PORTS, ROOT, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor import metrics as metric_specs
@@ -44,8 +44,7 @@ def value(samples: dict, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                   frontend_metrics_port=0, scheduler_metrics_port=0, worker_metrics_port=0,
-                   detokenizer_metrics_port=0, kv_cache_bytes=128 << 20, log_level="WARNING",
+                   **FREE_METRICS_PORTS, kv_cache_bytes=128 << 20, log_level="WARNING",
                    data_dir=str(tmp_path_factory.mktemp("obs")))
     s = start(cfg)
     yield s

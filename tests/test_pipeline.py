@@ -31,10 +31,10 @@ MAX_TOKENS = 40
 
 
 def _up(tmp_path_factory, name: str, **overrides):
-    from helpers import free_port
+    from helpers import FREE_METRICS_PORTS, free_port
 
     cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                   data_dir=str(tmp_path_factory.mktemp(name)), log_level="WARNING", **overrides)
+                   data_dir=str(tmp_path_factory.mktemp(name)), log_level="WARNING", **FREE_METRICS_PORTS, **overrides)
     return start(cfg)
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, conveyor_command, free_port
+from helpers import FREE_METRICS_FLAGS, ROOT, conveyor_command, free_port
 
 from conveyor.client import Client
 
@@ -33,7 +33,7 @@ def up(tmp_path):
     proc = subprocess.Popen(
         conveyor_command("up", "--port", str(port), "--worker-port", "0", "--scheduler-port", "0",
                          "--detokenizer-port", "0", "--deliver-port", "0", "--kv-cache-bytes", "64M",
-                         "--data-dir", str(tmp_path), "--log-level", "WARNING"),
+                         "--data-dir", str(tmp_path), "--log-level", "WARNING", *FREE_METRICS_FLAGS),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     deadline = time.monotonic() + 180

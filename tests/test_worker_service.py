@@ -144,7 +144,8 @@ def test_malformed_step_is_invalid_argument_and_harmless(stub, default_model, na
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_them(args, message):
-    result = subprocess.run(conveyor_command("serve", "worker", *args), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(conveyor_command("serve", "worker", "--metrics-port", "0", *args), capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 2
     assert message in result.stderr
 

@@ -198,11 +198,11 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
 
 
 def serve(cfg: WorkerConfig) -> None:
+    runner, _loaded, info = build_runner(cfg)  # a bad --model fails before any port is taken
     metrics = Metrics("worker")
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
-    runner, _loaded, info = build_runner(cfg)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner, info, metrics), server)
     port = grpc_util.bind(server, cfg.host, cfg.port)
     server.start()
