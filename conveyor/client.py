@@ -14,12 +14,27 @@ Options (keyword arguments of ``generate``, ``stream`` and ``chat``): ``temperat
 ``include_stop_str_in_output``, ``request_id``, ``timeout`` (seconds, the call's deadline) and, for
 chat, ``add_generation_prompt``. Server errors are raised as the ``conveyor.errors`` class of
 their status code (``InvalidArgument``, ``ResourceExhausted``, ``DeadlineExceeded``, ...).
+
+Security: ``Client(target, api_key="...")`` sends ``authorization: Bearer <key>``; ``tls=True`` (or
+``ca_cert=`` a PEM path for a private CA, ``client_cert=``/``client_key=`` for mutual TLS) makes the
+channel TLS.
+
+Resuming: every stream has a request id (the SDK makes one when you give none). If the frontend
+streaming it dies, carry on from another one with what you already have:
+
+    stream = client_a.stream("Tell me a story", max_tokens=200)
+    try:
+        for delta in stream: ...
+    except Unavailable:
+        for delta in client_b.resume(stream.request_id, stream.token_index, stream.text_offset): ...
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -86,7 +101,7 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     unknown = set(options) - set(_SAMPLING) - set(_STOP)
     if unknown:
         raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
-    request = conveyor_pb2.GenerateRequest(request_id=request_id or "")
+    request = conveyor_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex)
     if prompt is not None:
         request.prompt = prompt
     if messages is not None:
@@ -128,15 +143,22 @@ def _error(exc: grpc.RpcError) -> ConveyorError:
 
 
 class Stream:
-    """An iterator of ``Delta``s; ``cancel()`` (or leaving a ``with`` block early) aborts the request."""
+    """An iterator of ``Delta``s; ``cancel()`` (or leaving a ``with`` block early) aborts the request.
+    ``token_index`` and ``text_offset`` say how much output has arrived (what ``resume`` needs)."""
 
-    def __init__(self, call):
+    def __init__(self, call, request_id: str, token_index: int = 0, text_offset: int = 0):
         self._call = call
+        self.request_id = request_id
+        self.token_index = token_index
+        self.text_offset = text_offset
 
     def __iter__(self) -> Iterator[Delta]:
         try:
             for message in self._call:
-                yield _delta(message)
+                delta = _delta(message)
+                self.token_index += len(delta.token_ids)
+                self.text_offset += len(delta.text)
+                yield delta
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -151,19 +173,45 @@ class Stream:
         self.cancel()
 
 
-class Client:
-    """A blocking client. ``timeout`` is the default deadline of every call, in seconds (None: none)."""
+def _credentials(tls: bool, ca_cert: str | None, client_cert: str | None, client_key: str | None):
+    if not (tls or ca_cert or client_cert):
+        return None
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(ca_cert), read(client_key), read(client_cert))
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel: grpc.Channel | None = None):
-        self.channel = channel or grpc.insecure_channel(target)
+
+def _channel(target: str, tls: bool, ca_cert, client_cert, client_key, aio: bool = False):
+    module = grpc.aio if aio else grpc
+    credentials = _credentials(tls, ca_cert, client_cert, client_key)
+    return module.secure_channel(target, credentials) if credentials else module.insecure_channel(target)
+
+
+class Client:
+    """A blocking client. ``timeout`` is the default deadline of every call, in seconds (None: none);
+    ``api_key``, ``tls``, ``ca_cert``, ``client_cert``, ``client_key`` as in the module doc."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel: grpc.Channel | None = None,
+                 *, api_key: str | None = None, tls: bool = False, ca_cert: str | None = None,
+                 client_cert: str | None = None, client_key: str | None = None):
+        self.channel = channel or _channel(target, tls, ca_cert, client_cert, client_key)
         self.stub = conveyor_pb2_grpc.ConveyorStub(self.channel)
         self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                timeout: float | None = None, **options) -> Stream:
         """Start generating; iterate the result for ``Delta``s as they are produced."""
         request = build_request(prompt, messages, **options)
-        return Stream(self.stub.Generate(request, timeout=timeout or self.timeout))
+        call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        return Stream(call, request.request_id)
+
+    def resume(self, request_id: str, token_index: int = 0, text_offset: int = 0,
+               timeout: float | None = None) -> Stream:
+        """Continue a request's stream (e.g. begun on a frontend that died) after the ``token_index``
+        tokens and ``text_offset`` characters already received."""
+        request = conveyor_pb2.ResumeRequest(request_id=request_id, token_index=token_index, text_offset=text_offset)
+        call = self.stub.Resume(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        return Stream(call, request_id, token_index, text_offset)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  timeout: float | None = None, **options) -> Completion:
@@ -190,7 +238,7 @@ class Client:
 
     def _unary(self, method, request, timeout):
         try:
-            return method(request, timeout=timeout or self.timeout)
+            return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -226,16 +274,19 @@ class AsyncStream:
 class AsyncClient:
     """The asyncio twin of ``Client`` (same methods, awaitable)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None):
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, *, api_key: str | None = None,
+                 tls: bool = False, ca_cert: str | None = None, client_cert: str | None = None,
+                 client_key: str | None = None):
+        self.channel = _channel(target, tls, ca_cert, client_cert, client_key, aio=True)
         self.stub = conveyor_pb2_grpc.ConveyorStub(self.channel)
         self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                timeout: float | None = None, **options) -> AsyncStream:
         """Start generating; ``async for`` over the result for ``Delta``s."""
         request = build_request(prompt, messages, **options)
-        return AsyncStream(self.stub.Generate(request, timeout=timeout or self.timeout))
+        return AsyncStream(self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata))
 
     async def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                        timeout: float | None = None, **options) -> Completion:
@@ -263,7 +314,7 @@ class AsyncClient:
 
     async def _unary(self, method, request, timeout):
         try:
-            return await method(request, timeout=timeout or self.timeout)
+            return await method(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 

@@ -54,6 +54,12 @@ class Cancelled(ConveyorError):
     code = "CANCELLED"
 
 
+class Unauthenticated(ConveyorError):
+    """No API key, or one the server does not know."""
+
+    code = "UNAUTHENTICATED"
+
+
 class ConfigError(ConveyorError, ValueError):
     """A command-line flag or environment variable has a bad value; the message names the flag."""
 
@@ -62,7 +68,8 @@ class ConfigError(ConveyorError, ValueError):
 
 def error_for_code(code_name: str) -> type[ConveyorError]:
     """The exception class for a gRPC status code name (``ConveyorError`` for codes without one)."""
-    for cls in (InvalidArgument, ResourceExhausted, NotFound, Unavailable, AlreadyExists, DeadlineExceeded, Cancelled):
+    for cls in (InvalidArgument, ResourceExhausted, NotFound, Unavailable, AlreadyExists, DeadlineExceeded, Cancelled,
+                Unauthenticated):
         if cls.code == code_name:
             return cls
     return ConveyorError

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import signal
 import threading
+from collections import Counter
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConfigError, ConveyorError, ResourceExhausted, Unauthenticated
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
+OWNER_ATTR = "conveyor_owner"  # the API key's name, set on the call's context by AuthInterceptor
 
 
 class _Malformed:
@@ -90,28 +95,145 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         )
 
 
+class ApiKeys:
+    """The API keys a public server accepts, by name. Only SHA-256 digests are kept, and a presented
+    key is compared with every one of them in constant time (no early exit, no length leak)."""
+
+    def __init__(self, keys: dict[str, str]):
+        self.digests = {name: hashlib.sha256(key.encode()).digest() for name, key in keys.items()}
+
+    @classmethod
+    def load(cls, path: str = "", listed: str = "") -> ApiKeys:
+        """Keys from a file (one per line, ``name:key`` or just ``key``; ``#`` comments) and from a
+        comma-separated list (an environment variable). A key without a name is named by its position."""
+        lines = Path(path).read_text().splitlines() if path else []
+        lines += listed.split(",") if listed else []
+        keys: dict[str, str] = {}
+        for line in (raw.strip() for raw in lines):
+            if not line or line.startswith("#"):
+                continue
+            name, _, key = line.rpartition(":")
+            name = name or f"key{len(keys) + 1}"
+            if len(key) < 16:
+                raise ConfigError(f"--api-keys-file / --api-keys: the key named {name!r} is shorter than 16 characters")
+            if name in keys:
+                raise ConfigError(f"--api-keys-file / --api-keys: the name {name!r} is used twice")
+            keys[name] = key
+        return cls(keys)
+
+    def __bool__(self) -> bool:
+        return bool(self.digests)
+
+    def identify(self, presented: str) -> str | None:
+        """The name of the key presented, or None."""
+        digest = hashlib.sha256(presented.encode()).digest()
+        found = None
+        for name, known in self.digests.items():
+            if hmac.compare_digest(digest, known):
+                found = name
+        return found
+
+
+def presented_key(metadata) -> str:
+    """The key a client sent: ``authorization: Bearer <key>`` or ``x-api-key: <key>``."""
+    headers = {k.lower(): v for k, v in metadata}
+    bearer = headers.get("authorization", "")
+    if bearer.lower().startswith("bearer "):
+        return bearer[7:].strip()
+    return headers.get("x-api-key", "")
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """API keys and per-key stream limits for the public service. Health and reflection stay open (for
+    probes). The key's name is set on the call's context (``OWNER_ATTR``): it owns the requests the
+    call creates. Put it after ``ErrorMappingInterceptor``, which turns its errors into statuses."""
+
+    OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, keys: ApiKeys, max_streams_per_key: int = 0):
+        self.keys = keys
+        self.max_streams = max_streams_per_key
+        self.streams: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def _owner(self, context) -> str:
+        if not self.keys:
+            return ""
+        presented = presented_key(context.invocation_metadata())
+        if not presented:
+            raise Unauthenticated("missing API key: send the metadata 'authorization: Bearer <key>'")
+        name = self.keys.identify(presented)
+        if name is None:
+            raise Unauthenticated("invalid API key")
+        return name
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler_call_details.method.startswith(self.OPEN):
+            return handler
+        if handler.response_streaming:
+            inner_stream = handler.unary_stream
+
+            def streamed(request, context):
+                owner = self._owner(context)
+                setattr(context, OWNER_ATTR, owner)
+                with self.lock:
+                    if self.max_streams and self.streams[owner] >= self.max_streams:
+                        who = f"API key {owner!r}" if owner else "this server"
+                        raise ResourceExhausted(f"{who} already has {self.max_streams} streams open "
+                                                "(--max-streams-per-key)")
+                    self.streams[owner] += 1
+                try:
+                    yield from inner_stream(request, context)
+                finally:
+                    with self.lock:
+                        self.streams[owner] -= 1
+
+            return grpc.unary_stream_rpc_method_handler(
+                streamed, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        inner = handler.unary_unary
+
+        def unary(request, context):
+            setattr(context, OWNER_ATTR, self._owner(context))
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
 def channel_options() -> list[tuple[str, int]]:
     """Options for channels between our services (message size limits to match the servers')."""
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # a peer that restarts is reachable again within a second, not after gRPC's default backoff (up to 2 min)
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
-def make_server(max_workers: int = 8, metrics=None) -> grpc.Server:
-    """A gRPC server with the error-mapping interceptor; errors are counted in ``metrics`` when given."""
+def make_server(max_workers: int = 8, metrics=None, interceptors=(), max_message_bytes: int = MAX_MESSAGE_BYTES,
+                max_concurrent_rpcs: int | None = None) -> grpc.Server:
+    """A gRPC server with the error-mapping interceptor (then ``interceptors``); errors are counted in
+    ``metrics`` when given. A request larger than ``max_message_bytes`` gets RESOURCE_EXHAUSTED from gRPC;
+    beyond ``max_concurrent_rpcs`` calls at once, new ones get RESOURCE_EXHAUSTED instead of queueing."""
     on_error = None
     if metrics is not None:
         errors = metrics.get("conveyor_grpc_errors_total")
         on_error = lambda method, code: errors.labels(method=method, code=code).inc()  # noqa: E731
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorMappingInterceptor(on_error)],
+        interceptors=[ErrorMappingInterceptor(on_error), *interceptors],
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
 
 
@@ -136,9 +258,20 @@ def set_serving(health_servicer: health.HealthServicer, service_names: list[str]
         metrics.get("conveyor_process_up").set(1 if serving else 0)
 
 
-def bind(server: grpc.Server, host: str, port: int) -> int:
-    """Listen on host:port (port 0 picks a free one); returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
+    """TLS from PEM files; with ``client_ca``, clients must present a certificate it signed (mutual TLS)."""
+    try:
+        pair = (Path(key).read_bytes(), Path(cert).read_bytes())
+        ca = Path(client_ca).read_bytes() if client_ca else None
+    except OSError as exc:
+        raise ConfigError(f"--tls-cert / --tls-key / --tls-client-ca: {exc}") from exc
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on host:port (port 0 picks a free one), with TLS when ``credentials``; returns the port."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (is the port in use?)")
     return bound

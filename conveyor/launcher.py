@@ -3,18 +3,26 @@
 Starts a private ``redis-server`` (append-only file in ``--data-dir``) unless ``--redis-url`` is
 given, then the worker, detokenizer, scheduler and frontend (``conveyor serve <service>``), waits
 until each reports SERVING on ``grpc.health.v1``, and prints the endpoint. Ctrl-C or SIGTERM stops
-everything (frontend first); a child that exits brings the whole stack down with a non-zero exit.
+everything (frontend first).
+
+Supervision: a child that exits is started again with its own command line, after a backoff that
+doubles with each recent restart (0.5 s, 1 s, 2 s, ... up to 10 s); more than ``--max-restarts``
+restarts of one child within a minute bring the whole stack down with a non-zero exit. Requests in
+flight survive: every service rebuilds from Redis (see ``conveyor/state.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,10 +64,17 @@ class UpConfig:
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
     log_level: str = setting("INFO", "logging level of every service")
     ready_timeout: float = setting(300.0, "seconds to wait for every service to report SERVING")
+    max_restarts: int = setting(5, "restarts of one child within a minute before the stack gives up (0: never restart)")
+    api_keys_file: str = setting("", "file of API keys for the public API, one 'name:key' per line")
+    max_streams_per_key: int = setting(0, "most streams one API key may have open (0: no limit)")
+    tls_cert: str = setting("", "PEM certificate of the public API (with --tls-key: TLS)")
+    tls_key: str = setting("", "PEM private key of the public API")
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.ready_timeout > 0, "ready_timeout", "must be > 0")
+        require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        require(bool(self.tls_cert) == bool(self.tls_key), "tls_key", "and --tls-cert go together")
 
 
 def free_port() -> int:
@@ -76,6 +91,19 @@ class Child:
     service: str = ""
     argv: list[str] = field(default_factory=list)
     metrics: str = ""  # host:port of its /metrics endpoint
+    env: dict[str, str] | None = None  # secrets (the Redis URL) go here, never on the command line
+    restarts: list[float] = field(default_factory=list)  # monotonic times of recent restarts
+    due: float | None = None  # when a dead child is to be started again
+
+
+    def spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL if self.name == "redis" else None)
+
+
+def redact(url: str) -> str:
+    """A Redis URL without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}***@{rest.split('@', 1)[1]}" if "@" in rest else url
 
 
 @dataclass
@@ -110,8 +138,45 @@ class Stack:
         if child.process.poll() is None:
             child.process.kill()
             child.process.wait()
-        child.process = subprocess.Popen(child.argv)
-        _wait_serving(child, time.monotonic() + timeout)
+        child.process = child.spawn()
+        if child.health:
+            _wait_serving(child, time.monotonic() + timeout)
+
+    def supervise_once(self, max_restarts: int, window: float = 60.0) -> Child | None:
+        """Restart dead children when their backoff is over; returns a child that died too often."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.process.poll() is None:
+                continue
+            child.restarts = [t for t in child.restarts if now - t < window]
+            if len(child.restarts) >= max_restarts:
+                return child
+            if child.due is None:
+                child.due = now + min(0.5 * 2 ** len(child.restarts), 10.0)
+                log.error("%s exited with status %s; restarting it in %.1f s", child.name, child.process.returncode,
+                          child.due - now)
+            elif now >= child.due:
+                child.due = None
+                child.restarts.append(now)
+                child.process = child.spawn()
+        return None
+
+    def supervise(self, max_restarts: int = 5, every: float = 0.2) -> threading.Event:
+        """Supervise from a daemon thread (for tests and embedding); set the returned event to stop."""
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(every):
+                if self.supervise_once(max_restarts) is not None:
+                    return
+
+        threading.Thread(target=run, name="supervisor", daemon=True).start()
+        return stop
+
+
+def _security_flags(cfg: UpConfig) -> list[str]:
+    flags = ["--api-keys-file", cfg.api_keys_file] if cfg.api_keys_file else []
+    return flags + (["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key] if cfg.tls_cert else [])
 
 
 def _serve(service: str, *flags: str) -> list[str]:
@@ -149,19 +214,22 @@ def _start_redis(cfg: UpConfig, stack: Stack) -> str:
     port = free_port()
     data = Path(cfg.data_dir) if cfg.data_dir else Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
     data.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
-         "--save", "", "--daemonize", "no", "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL,
-    )
-    stack.children.append(Child("redis", process))
+    password = secrets.token_urlsafe(24)
+    conf = data / "conveyor-redis.conf"  # the password stays out of every command line
+    conf.touch(mode=0o600)
+    conf.write_text(f"requirepass {password}\n")
+    argv = [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
+            "--save", "", "--daemonize", "no", "--loglevel", "warning"]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    stack.children.append(Child("redis", process, argv=argv))
     import redis  # noqa: PLC0415 - only the launcher needs to ping
 
-    client = redis.Redis(port=port)
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
     for _ in range(100):
         try:
             client.ping()
-            return f"redis://127.0.0.1:{port}/0"
+            return url
         except redis.exceptions.ConnectionError:
             if process.poll() is not None:
                 raise RuntimeError("redis-server exited while starting") from None
@@ -180,7 +248,7 @@ def start(cfg: UpConfig) -> Stack:
         metrics = {name: getattr(cfg, f"{name}_metrics_port") or free_port()
                    for name in ("worker", "scheduler", "detokenizer", "frontend")}
         common = ["--log-level", cfg.log_level, "--metrics-host", cfg.metrics_host]
-        redis_flags = ["--redis-url", stack.redis_url, "--redis-prefix", cfg.redis_prefix]
+        redis_flags = ["--redis-prefix", cfg.redis_prefix]
         worker_flags = ["--model", cfg.model, "--port", str(ports["worker"]), "--device", cfg.device,
                         "--block-size", str(cfg.block_size), *common]
         if cfg.kv_cache_bytes is not None:
@@ -197,13 +265,16 @@ def start(cfg: UpConfig) -> Stack:
                            "--finished-ttl", str(cfg.finished_ttl), *redis_flags, *common],
              address["scheduler"], "conveyor.v1.Scheduler"),
             ("frontend", ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port), "--internal-port",
-                          str(ports["deliver"]), "--scheduler", address["scheduler"], *redis_flags, *common],
-             f"127.0.0.1:{cfg.port}", "conveyor.v1.Conveyor"),
+                          str(ports["deliver"]), "--scheduler", address["scheduler"], "--detokenizer",
+                          address["detokenizer"], "--max-streams-per-key", str(cfg.max_streams_per_key),
+                          *_security_flags(cfg), *redis_flags, *common],
+             address["deliver"], "conveyor.v1.Frontend"),  # its internal port: plain gRPC even with TLS on
         ]
         for name, flags, health, service in plan:
             argv = _serve(name, *flags, "--metrics-port", str(metrics[name]))
-            stack.children.append(Child(name, subprocess.Popen(argv), health, service, argv,
-                                        f"{cfg.metrics_host}:{metrics[name]}"))
+            env = dict(os.environ, **{f"CONVEYOR_{name.upper()}_REDIS_URL": stack.redis_url})
+            stack.children.append(Child(name, subprocess.Popen(argv, env=env), health, service, argv,
+                                        f"{cfg.metrics_host}:{metrics[name]}", env=env))
         deadline = time.monotonic() + cfg.ready_timeout
         for child in stack.children:
             if child.health:
@@ -226,14 +297,15 @@ def run(cfg: UpConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     stack = start(cfg)
-    print(f"Conveyor is serving {cfg.model} at {stack.endpoint} (Redis {stack.redis_url}). Ctrl-C stops it.",
+    print(f"Conveyor is serving {cfg.model} at {stack.endpoint} (Redis {redact(stack.redis_url)}). Ctrl-C stops it.",
           flush=True)
     print(f'  try: conveyor generate --target {stack.endpoint} "The capital of France is"', flush=True)
     status = 0
     while not stopping:
-        dead = stack.dead()
-        if dead is not None:
-            log.error("%s exited with status %s; stopping the stack", dead.name, dead.process.returncode)
+        failing = stack.supervise_once(cfg.max_restarts)
+        if failing is not None:
+            log.error("%s exited %d times within a minute (--max-restarts); stopping the stack", failing.name,
+                      len(failing.restarts) + 1)
             status = 1
             break
         time.sleep(0.2)

@@ -50,6 +50,9 @@ SPECS = [
     Spec("conveyor_requests_rejected_total", Counter, "Requests refused before they ran, by reason "
          "(invalid_argument, resource_exhausted, already_exists, unavailable).", "frontend", ("reason",)),
     Spec("conveyor_client_streams", Gauge, "Client streams open on this frontend.", "frontend"),
+    Spec("conveyor_resumed_streams_total", Counter, "Client streams resumed by request id (Resume).", "frontend"),
+    Spec("conveyor_stalled_streams_total", Counter, "Client streams found behind Redis and replayed (a delivery "
+         "was lost while a process restarted).", "frontend"),
     # scheduler: queue, cache, steps
     Spec("conveyor_requests_running", Gauge, "Requests in the running set.", "scheduler"),
     Spec("conveyor_requests_waiting", Gauge, "Requests in the waiting queue.", "scheduler"),
@@ -72,6 +75,8 @@ SPECS = [
     Spec("conveyor_steps_total", Counter, "Engine steps run.", "scheduler"),
     Spec("conveyor_worker_up", Gauge, "1 while the worker answers steps, 0 while it is unreachable.", "scheduler"),
     Spec("conveyor_redis_rtt_seconds", Gauge, "Round-trip time of the last Redis ping.", "scheduler"),
+    Spec("conveyor_redis_repairs_total", Counter, "Request records rewritten whole because Redis had lost them "
+         "(it restarted) or a write failed half way.", "scheduler"),
     # worker
     Spec("conveyor_worker_forward_seconds", Histogram, "Worker compute of one step (forward and sampling).", "worker",
          buckets=LATENCY_BUCKETS),
@@ -82,6 +87,10 @@ SPECS = [
          "delivery to frontends).", "detokenizer", buckets=LATENCY_BUCKETS),
     Spec("conveyor_detokenizer_tokens_total", Counter, "Tokens turned into text.", "detokenizer"),
     Spec("conveyor_stop_string_matches_total", Counter, "Requests ended by a stop string.", "detokenizer"),
+    Spec("conveyor_replays_total", Counter, "Requests whose text was rebuilt from Redis and delivered again (a "
+         "frontend found its stream behind Redis, or a client resumed).", "detokenizer"),
+    Spec("conveyor_orphan_aborts_total", Counter, "Requests aborted because no frontend held their client stream "
+         "for --orphan-timeout seconds.", "detokenizer"),
     # every process
     Spec("conveyor_grpc_errors_total", Counter, "gRPC calls answered with an error, by method and status code.",
          "every", ("method", "code")),

@@ -17,10 +17,13 @@ class DetokenizerConfig:
     scheduler: str = setting("127.0.0.1:50052", "address of the scheduler (told when a stop string matches)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state")
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
+    orphan_timeout: float = setting(30.0, "seconds a request may have no frontend holding its client stream (its "
+                                    "frontend died or lost it) before it is aborted; a client may resume meanwhile")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
     metrics_port: int = setting(9104, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(self.orphan_timeout >= 0, "orphan_timeout", f"must be >= 0, got {self.orphan_timeout}")
         require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")

@@ -5,6 +5,10 @@ length, and the output tokens already generated): a new request and one in fligh
 go down the same path. Tokens arrive with their output index, so a resend is skipped and a gap is
 filled from Redis. Deltas carry text and token offsets, so the frontend can drop what its client
 already has.
+
+``replay`` rebuilds one request's text from Redis from the start and delivers all of it (to the
+frontend named, which may be a new one the client resumed on): the frontend asks for it when its
+stream is behind Redis (a delivery was lost while some process restarted).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from conveyor.errors import NotFound
 from conveyor.messages import Delta
 from conveyor.params import RequestParams
 from conveyor.state import RequestStore
@@ -52,42 +57,77 @@ class Stream:
 
 
 class DetokenizerCore:
-    def __init__(self, tokenizer: ModelTokenizer, store: RequestStore, on_stop: Callable[[str, int], None]):
-        """``on_stop(request_id, num_tokens)`` tells the scheduler a stop string ended the request."""
+    def __init__(self, tokenizer: ModelTokenizer, store: RequestStore, on_stop: Callable[..., None]):
+        """``on_stop(request_id, num_tokens, repeat=False)`` tells the scheduler a stop string ended the
+        request (``repeat``: said again because tokens still arrive for it). It must not block."""
         self.tokenizer = tokenizer
         self.store = store
         self.on_stop = on_stop
         self.streams: dict[str, Stream] = {}
-        self.finished: OrderedDict[str, None] = OrderedDict()
+        # finished ids (to ignore late tokens) -> output length at a stop-string match, else None
+        self.finished: OrderedDict[str, int | None] = OrderedDict()
         self.lock = threading.Lock()
 
-    def push(self, entries: list[TokenEntry]) -> dict[str, list[Delta]]:
-        """Process one step's tokens; returns deltas by frontend address."""
+    def push(self, entries: list[TokenEntry]) -> tuple[dict[str, list[Delta]], list[str]]:
+        """Process one step's tokens; returns deltas by frontend address, and the ids that failed
+        (Redis unreachable): their state is dropped, so a resend of the batch replays them from Redis."""
         by_frontend: dict[str, list[Delta]] = {}
+        failed = []
         with self.lock:
             for entry in entries:
                 if entry.request_id in self.finished:
+                    stopped_at = self.finished[entry.request_id]
+                    if stopped_at is not None:  # the scheduler missed our Finish (it restarted): say it again
+                        self.on_stop(entry.request_id, stopped_at, True)
                     continue
-                stream = self.streams.get(entry.request_id) or self._open(entry)
-                if stream is None:
+                try:
+                    stream = self.streams.get(entry.request_id) or self._open(entry)
+                    if stream is None:
+                        continue
+                    deltas = self._process(stream, entry)
+                except Exception:  # noqa: BLE001 - Redis down: forget the stream, the resend starts it over
+                    log.warning("tokens for %s not processed; it will be replayed", entry.request_id, exc_info=True)
+                    self.streams.pop(entry.request_id, None)
+                    failed.append(entry.request_id)
                     continue
-                for delta in self._process(stream, entry):
+                for delta in deltas:
                     by_frontend.setdefault(stream.frontend, []).append(delta)
-        return by_frontend
+        return by_frontend, failed
+
+    def replay(self, request_id: str, frontend: str = "") -> tuple[str, list[Delta]]:
+        """Rebuild a request's text from Redis and return (frontend, deltas) of everything so far,
+        finished or not. ``frontend``: deliver there from now on (default: the one in Redis)."""
+        record = self.store.get(request_id)
+        if record is None:
+            raise NotFound(f"request {request_id!r} is not in Redis (unknown, or finished and expired)")
+        with self.lock:
+            self.streams.pop(request_id, None)
+            self.finished.pop(request_id, None)
+            stream = self._new_stream(record, frontend or record.frontend)
+            finished = record.status == "finished"
+            entry = TokenEntry(request_id, 0, list(record.output_ids), record.finish_reason if finished else None,
+                               record.stopped_by_token)
+            deltas = self._process(stream, entry)
+        return stream.frontend, deltas or [stream.delta()]
 
     def forget(self, request_id: str) -> None:
         with self.lock:
             self._close(request_id)
+
+    def _new_stream(self, record, frontend: str) -> Stream:
+        p = record.params
+        stream = Stream(record.request_id, frontend, p, len(record.prompt_ids),
+                        IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop, p.include_stop_str_in_output))
+        self.streams[record.request_id] = stream
+        return stream
 
     def _open(self, entry: TokenEntry) -> Stream | None:
         record = self.store.get(entry.request_id)
         if record is None:
             log.warning("tokens for %s, which Redis does not know; dropped", entry.request_id)
             return None
-        p = record.params
-        stream = Stream(entry.request_id, record.frontend, p, len(record.prompt_ids),
-                        IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop, p.include_stop_str_in_output))
-        self.streams[entry.request_id] = stream
+        self._new_stream(record, record.frontend)
+        stream = self.streams[entry.request_id]
         if entry.first_index > 0:  # tokens from before a restart (or a lost batch): replay them first
             earlier = record.output_ids[: entry.first_index]
             entry.token_ids = earlier + entry.token_ids[max(0, len(earlier) - entry.first_index):]
@@ -116,7 +156,9 @@ class DetokenizerCore:
             stream.num_tokens += 1
             if stopped:
                 self.on_stop(stream.request_id, stream.num_tokens)
-                return [self._final(stream, delta, "stop")]
+                final = self._final(stream, delta, "stop")
+                self.finished[stream.request_id] = stream.num_tokens
+                return [final]
         if entry.finish_reason is not None:  # the scheduler ended it: let out everything held back
             text, stopped = stream.matcher.feed(stream.detok.flush())
             delta.text += text if stopped else text + stream.matcher.release()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
 import grpc
 
 from conveyor import grpc_util
+from conveyor.errors import InvalidArgument, Unavailable
 from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
 from conveyor.tokenizer import load_tokenizer
@@ -53,33 +55,104 @@ class Channels:
             return self._stubs[address]
 
 
+class Orphans:
+    """Requests whose frontend is unreachable or no longer holds their stream, since when.
+
+    They keep generating for ``timeout`` seconds (a client may resume on another frontend, which
+    then claims them by Replay); after that they are aborted, so nothing decodes for nobody."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.since: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def lost(self, request_ids) -> list[str]:
+        """Mark these ids as without a frontend; returns the ids orphaned for longer than the timeout."""
+        now = time.monotonic()
+        with self.lock:
+            for request_id in request_ids:
+                self.since.setdefault(request_id, now)
+            expired = [r for r, t in self.since.items() if now - t >= self.timeout]
+            for request_id in expired:
+                del self.since[request_id]
+        return expired
+
+    def found(self, request_ids) -> None:
+        with self.lock:
+            for request_id in request_ids:
+                self.since.pop(request_id, None)
+
+
+class FinishSender:
+    """Tells the scheduler about stop-string matches from its own thread, retrying while it is down
+    (a Finish lost in a scheduler restart would let the request run on to max_tokens)."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, give_up_after: float = 300.0):
+        self.stub = stub
+        self.give_up_after = give_up_after
+        self.queue: queue.Queue[tuple[str, int, float]] = queue.Queue()
+        threading.Thread(target=self._run, name="finish", daemon=True).start()
+
+    def __call__(self, request_id: str, num_tokens: int) -> None:
+        self.queue.put((request_id, num_tokens, time.monotonic()))
+
+    def _run(self) -> None:
+        while True:
+            request_id, num_tokens, queued = self.queue.get()
+            backoff = 0.05
+            while time.monotonic() - queued < self.give_up_after:
+                try:
+                    self.stub.Finish(scheduler_pb2.FinishRequest(request_id=request_id, num_tokens=num_tokens),
+                                     timeout=5)
+                    break
+                except grpc.RpcError as exc:
+                    log.warning("could not tell the scheduler that %s stopped (%s); retrying", request_id, exc.code())
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+
+
 class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, core: DetokenizerCore, scheduler: scheduler_pb2_grpc.SchedulerStub, metrics: Metrics):
+    def __init__(self, core: DetokenizerCore, scheduler: scheduler_pb2_grpc.SchedulerStub, metrics: Metrics,
+                 orphan_timeout: float):
         self.core = core
         self.scheduler = scheduler
         self.metrics = metrics
         self.channels = Channels()
+        self.orphans = Orphans(orphan_timeout)
 
     def Push(self, request, context):
         start = time.perf_counter()
-        by_frontend = self.core.push([entry_from_pb(e) for e in request.requests])
+        by_frontend, failed = self.core.push([entry_from_pb(e) for e in request.requests])
         for frontend, deltas in by_frontend.items():
             self._deliver(frontend, deltas)
+        if failed:  # the scheduler sends the batch again; those requests start over from Redis
+            raise Unavailable(f"could not read {len(failed)} requests from Redis; send the batch again")
         self.metrics.detokenizer_tokens.inc(sum(len(e.token_ids) for e in request.requests))
         self.metrics.detokenizer_push_seconds.observe(time.perf_counter() - start)
         return detokenizer_pb2.PushResponse()
 
+    def Replay(self, request, context):
+        if not request.request_id:
+            raise InvalidArgument("request_id must not be empty")
+        frontend, deltas = self.core.replay(request.request_id, request.frontend)
+        self.orphans.found([request.request_id])
+        self.metrics.replays.inc()
+        log.info("replayed %s from Redis for %s", request.request_id, frontend)
+        return detokenizer_pb2.ReplayResponse(deltas=[delta_to_pb(d) for d in deltas])
+
     def _deliver(self, frontend: str, deltas: list[Delta]) -> None:
         try:
             reply = self.channels.frontend(frontend).Deliver(
-                frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]), timeout=10
+                frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]), timeout=5
             )
-        except grpc.RpcError as exc:  # the frontend is gone: its clients are gone with it
-            log.warning("frontend %s unreachable (%s); aborting its %d requests", frontend, exc.code(), len(deltas))
+        except grpc.RpcError as exc:  # the frontend is gone (its clients may resume elsewhere)
+            log.warning("frontend %s unreachable (%s) for %d requests", frontend, exc.code(), len(deltas))
             gone = {d.request_id for d in deltas if d.finish_reason is None}
         else:
             gone = set(reply.unknown_request_ids)
-        for request_id in gone:  # nobody is listening: stop generating
+        self.orphans.found({d.request_id for d in deltas} - gone)
+        for request_id in self.orphans.lost(gone):  # nobody listened for too long: stop generating
+            self.metrics.orphan_aborts.inc()
             self.core.forget(request_id)
             self._abort(request_id)
 
@@ -98,17 +171,17 @@ def serve(cfg: DetokenizerConfig) -> None:
     metrics = Metrics("detokenizer")
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
 
-    def on_stop(request_id: str, num_tokens: int) -> None:
-        metrics.stop_string_matches.inc()
-        try:
-            scheduler.Finish(scheduler_pb2.FinishRequest(request_id=request_id, num_tokens=num_tokens), timeout=5)
-        except grpc.RpcError as exc:
-            log.warning("could not tell the scheduler that %s stopped: %s", request_id, exc.code())
+    finish = FinishSender(scheduler)
+
+    def on_stop(request_id: str, num_tokens: int, repeat: bool = False) -> None:
+        if not repeat:
+            metrics.stop_string_matches.inc()
+        finish(request_id, num_tokens)
 
     core = DetokenizerCore(tokenizer, store, on_stop)
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
-    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, scheduler, metrics), server)
+    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, scheduler, metrics, cfg.orphan_timeout), server)
     port = grpc_util.bind(server, cfg.host, cfg.port)
     server.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)

@@ -63,6 +63,8 @@ class Engine:
         self.cond = threading.Condition()
         self.decided: list[Output] = []  # aborts and stop-string finishes, written by the next step
         self.worker_up = True
+        self.redis_up = True
+        self.on_health: Callable[[bool], None] = lambda serving: None  # health follows worker and Redis
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -160,7 +162,9 @@ class Engine:
                 in_flight.clear()
                 continue
             backoff = 0.1
-            self.worker_up = True
+            if not self.worker_up:
+                log.info("the worker answers again; continuing")
+                self._set_health(worker_up=True)
             with self.cond:
                 outputs = self.scheduler.update(sent, sampled)
             self._observe(sent, outputs)
@@ -213,7 +217,18 @@ class Engine:
         for dropped_plan, dropped_decided in dropped:
             self._write_and_publish(dropped_plan, [], dropped_decided)
         self.transport.reset()
-        return min(backoff * 2, 5.0)
+        return min(backoff * 2, 1.0)
+
+    def _set_health(self, worker_up: bool | None = None, redis_up: bool | None = None) -> None:
+        """Record what is down; the gRPC health says NOT_SERVING while the worker or Redis is."""
+        before = self.worker_up and self.redis_up
+        if worker_up is not None:
+            self.worker_up = worker_up
+            self.metrics.worker_up.set(1 if worker_up else 0)
+        if redis_up is not None:
+            self.redis_up = redis_up
+        if (self.worker_up and self.redis_up) != before:
+            self.on_health(self.worker_up and self.redis_up)
 
     def _wait_for_change(self) -> None:
         """Nothing could be scheduled (no blocks for the queue head): wait for an arrival or a departure."""
@@ -224,40 +239,61 @@ class Engine:
         if self.worker_up:
             log.error("worker step %d failed (%s); requeueing %d running requests for recompute",
                       plan.step, exc, len(self.scheduler.running))
-        self.worker_up = False
+        self._set_health(worker_up=False)
         with self.cond:
             self.scheduler.reset_worker()
         time.sleep(backoff)
 
-    def _execute(self, writer, attempts: int = 20) -> None:
-        """Send the step's Redis writes, retrying while Redis is unreachable (it may be restarting)."""
-        for attempt in range(attempts):
+    def _persist(self, writer, requests: dict[str, Request]) -> None:
+        """Send one step's Redis writes. A record Redis lost (it restarted) is rewritten whole from memory;
+        while Redis is unreachable, retry (with backoff) until it is back: tokens are published only
+        after Redis has them, so a client never sees a token a restarted process could not find."""
+        attempt = 0
+        while True:
             try:
-                writer.execute()
-                return
+                lost = writer.execute()
+                if self.redis_up is False:
+                    log.info("Redis is back after %d attempts", attempt)
+                    self._set_health(redis_up=True)
+                if not lost:
+                    return
+                log.warning("Redis lost the records of %d requests; rewriting them", len(lost))
+                self.metrics.redis_repairs.inc(len(lost))
+                requests = {rid: requests[rid] for rid in lost if rid in requests}
             except RedisError as exc:
-                if attempt == 0:
+                if attempt % 20 == 0:
                     log.warning("Redis write failed (%s); retrying", exc)
-                time.sleep(min(0.05 * 2**attempt, 2.0))
-        log.error("giving up on one step's Redis writes after %d attempts", attempts)
+                self._set_health(redis_up=False)
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+                attempt += 1
+            now = time.time()
+            writer = self.store.writer()  # retry by rewriting the step's records whole: idempotent
+            for request in requests.values():
+                writer.restore(request.to_record(now))
 
     def _write_and_publish(self, plan: StepPlan, outputs: list[Output], decided: list[Output]) -> None:
         now = time.time()
         writer = self.store.writer()
+        touched: dict[str, Request] = {}
         for chunk in plan.chunks:
             if chunk.registers:
                 writer.status(chunk.request.request_id, "running")
+                touched[chunk.request.request_id] = chunk.request
         for request in plan.preempted:
             writer.status(request.request_id, "waiting")
+            touched[request.request_id] = request
         for output in outputs:
             request = output.request
             first = request.first_token_time if output.first_index == 0 else None
             writer.tokens(request.request_id, output.token_ids, len(request.output_ids), first)
+            touched[request.request_id] = request
         for output in [*outputs, *decided]:
             if output.finish_reason is not None:
-                writer.finished(output.request.request_id, output.finish_reason, len(output.request.output_ids),
-                                now, trim=output.trim)
-        self._execute(writer)
+                request = output.request
+                writer.finished(request.request_id, output.finish_reason, len(request.output_ids), now,
+                                trim=output.trim, stopped_by_token=output.finish_reason == "stop" and request.stopped_by_token)
+                touched[request.request_id] = request
+        self._persist(writer, touched)
         published = outputs + [o for o in decided if o.finish_reason == "abort"]
         if published:
             self.publish(plan.step, published)

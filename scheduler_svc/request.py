@@ -35,6 +35,8 @@ class Request:
     admitted_at: float | None = None  # first admitted to the running set
     first_token_at: float | None = None
     stopped_by_token: bool = False
+    frontend: str = ""  # kept to rewrite the Redis record whole if Redis loses it
+    owner: str = ""
 
     @classmethod
     def from_record(cls, record: RequestRecord, eos_token_ids: tuple[int, ...]) -> Request:
@@ -42,6 +44,16 @@ class Request:
         return cls(
             record.request_id, record.prompt_ids, record.params, record.params.stop_ids(eos_token_ids),
             record.arrival, output_ids=list(record.output_ids), first_token_time=record.first_token,
+            frontend=record.frontend, owner=record.owner,
+        )
+
+    def to_record(self, now: float) -> RequestRecord:
+        """The whole Redis record as this scheduler knows it (to restore one Redis lost)."""
+        finished = self.status is Status.FINISHED
+        return RequestRecord(
+            self.request_id, self.prompt_ids, self.params, self.frontend, self.arrival, self.status.value,
+            len(self.output_ids), self.first_token_time, now if finished else None, self.finish_reason,
+            self.stopped_by_token, self.owner, list(self.output_ids),
         )
 
     @property

@@ -133,7 +133,7 @@ class Publisher:
                 except grpc.RpcError as exc:
                     log.warning("detokenizer push of step %d failed (%s); retrying", batch.step, exc.code())
                     time.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    backoff = min(backoff * 2, 0.5)
 
 
 # ---------------------------------------------------------------- the service
@@ -249,6 +249,7 @@ def serve(cfg: SchedulerConfig) -> None:
     port = grpc_util.bind(server, cfg.host, cfg.port)
     server.start()  # health answers NOT_SERVING while we wait for the worker
     engine, info = build_engine(cfg, metrics)
+    engine.on_health = lambda serving: grpc_util.set_serving(health, [SERVICE_NAME], serving, metrics)
     engine.recover()
     service.ready(engine, info)
     with engine.cond:

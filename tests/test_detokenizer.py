@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 from conveyor.params import RequestParams
+from conveyor.errors import NotFound
 from conveyor.state import RequestRecord, RequestStore
 from conveyor.tokenizer import load_tokenizer
 from detokenizer_svc.core import DetokenizerCore, TokenEntry
@@ -99,30 +100,32 @@ def _record(store, tokenizer, params: RequestParams, output_ids=()) -> str:
 
 def test_core_splits_text_across_steps_and_reports_a_stop_string(store, tokenizer):
     stops = []
-    core = DetokenizerCore(tokenizer, store, lambda rid, n: stops.append((rid, n)))
+    core = DetokenizerCore(tokenizer, store, lambda rid, n, repeat=False: stops.append((rid, n, repeat)))
     ids = tokenizer.encode(" one two three four five")
     rid = _record(store, tokenizer, RequestParams(stop=("three",)))
     deltas = []
     for i in range(0, len(ids), 2):
-        for fe, ds in core.push([TokenEntry(rid, i, ids[i : i + 2])]).items():
+        for fe, ds in core.push([TokenEntry(rid, i, ids[i : i + 2])])[0].items():
             assert fe == "fe:1"
             deltas += ds
     text = "".join(d.text for d in deltas)
     assert text == " one two " and deltas[-1].finish_reason == "stop"
     n = tokenizer.encode(" one two three").__len__()
-    assert stops == [(rid, n)] and deltas[-1].completion_tokens == n
-    assert core.push([TokenEntry(rid, len(ids), [5])]) == {}  # finished: late tokens ignored
+    assert stops[0] == (rid, n, False) and deltas[-1].completion_tokens == n
+    assert all(s == (rid, n, True) for s in stops[1:])  # later steps' tokens: the stop is only repeated
+    assert core.push([TokenEntry(rid, len(ids), [5])]) == ({}, [])  # finished: late tokens ignored...
+    assert stops[-1] == (rid, n, True)  # ...but the stop is said again (the scheduler may have missed it)
 
 
 def test_core_skips_resent_tokens_and_replays_from_redis_after_a_restart(store, tokenizer):
     ids = tokenizer.encode(" 안녕하세요 세계")
     rid = _record(store, tokenizer, RequestParams(), output_ids=ids[:4])
     fresh = DetokenizerCore(tokenizer, store, lambda *a: None)  # as if restarted: tokens 0..3 only in Redis
-    out = fresh.push([TokenEntry(rid, 4, ids[4:6])])["fe:1"]
+    out = fresh.push([TokenEntry(rid, 4, ids[4:6])])[0]["fe:1"]
     assert out[0].first_token_index == 0 and out[0].token_ids == ids[:6]
     again = fresh.push([TokenEntry(rid, 4, ids[4:6])])  # a resend: nothing new
-    assert again == {}
-    final = fresh.push([TokenEntry(rid, 6, ids[6:], finish_reason="length")])["fe:1"][-1]
+    assert again == ({}, [])
+    final = fresh.push([TokenEntry(rid, 6, ids[6:], finish_reason="length")])[0]["fe:1"][-1]
     text = "".join(d.text for d in out) + final.text
     assert text == " 안녕하세요 세계" and final.finish_reason == "length" and final.completion_tokens == len(ids)
 
@@ -131,5 +134,26 @@ def test_core_gives_no_text_to_the_token_that_stopped_it(store, tokenizer):
     rid = _record(store, tokenizer, RequestParams(stop_token_ids=(tokenizer.encode("!")[0],)))
     core = DetokenizerCore(tokenizer, store, lambda *a: None)
     ids = tokenizer.encode("Yes!")
-    final = core.push([TokenEntry(rid, 0, ids, finish_reason="stop", stopped_by_token=True)])["fe:1"][-1]
+    final = core.push([TokenEntry(rid, 0, ids, finish_reason="stop", stopped_by_token=True)])[0]["fe:1"][-1]
     assert final.text == "Yes" and final.token_ids == ids
+
+
+def test_replay_rebuilds_the_text_from_redis_for_a_new_frontend(store, tokenizer):
+    ids = tokenizer.encode(" Hello there, general Kenobi")
+    rid = _record(store, tokenizer, RequestParams(stop=("general",)), output_ids=ids)
+    core = DetokenizerCore(tokenizer, store, lambda *a, **k: None)
+    seen = core.push([TokenEntry(rid, 0, ids[:3])])[0]["fe:1"]
+    frontend, deltas = core.replay(rid, "fe:2")  # a client resumed on another frontend
+    assert frontend == "fe:2" and deltas[0].text_offset == 0 and deltas[0].first_token_index == 0
+    assert "".join(d.text for d in deltas) == " Hello there, " and deltas[-1].finish_reason == "stop"
+    assert "".join(d.text for d in seen) == " Hello there,"[: len("".join(d.text for d in seen))]
+    with pytest.raises(NotFound):
+        core.replay("no-such-request")
+
+
+def test_push_that_cannot_read_redis_reports_the_request_and_keeps_no_state(store, tokenizer):
+    rid = _record(store, tokenizer, RequestParams())
+    broken = RequestStore.from_url("redis://127.0.0.1:1/0", prefix=store.prefix)  # nothing listens there
+    core = DetokenizerCore(tokenizer, broken, lambda *a, **k: None)
+    assert core.push([TokenEntry(rid, 0, tokenizer.encode(" hi"))]) == ({}, [rid])
+    assert rid not in core.streams

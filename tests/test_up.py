@@ -1,4 +1,5 @@
-"""``conveyor up`` as a user runs it: one command, an endpoint, Ctrl-C; a dying child stops the stack."""
+"""``conveyor up`` as a user runs it: one command, an endpoint, Ctrl-C; a dying child is restarted, one that
+keeps dying stops the stack."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def up(tmp_path):
     proc = subprocess.Popen(
         conveyor_command("up", "--port", str(port), "--worker-port", "0", "--scheduler-port", "0",
                          "--detokenizer-port", "0", "--deliver-port", "0", "--kv-cache-bytes", "64M",
-                         "--data-dir", str(tmp_path), "--log-level", "WARNING", *FREE_METRICS_FLAGS),
+                         "--data-dir", str(tmp_path), "--log-level", "WARNING", "--max-restarts", "1",
+                         *FREE_METRICS_FLAGS),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     deadline = time.monotonic() + 180
@@ -66,9 +68,26 @@ def test_up_serves_then_ctrl_c_stops_everything(up):
     assert not [c for c in children if Path(f"/proc/{c}").exists()]  # all stopped and reaped
 
 
-def test_a_child_that_dies_brings_the_stack_down_non_zero(up):
-    proc, _ = up
+def _child(pid: int, service: str) -> int:
+    return next(c for c in _children(pid) if f"serve\0{service}" in Path(f"/proc/{c}/cmdline").read_text())
+
+
+def test_a_dead_child_is_restarted_and_one_that_keeps_dying_stops_the_stack(up):
+    proc, endpoint = up
+    first = _child(proc.pid, "frontend")
+    os.kill(first, signal.SIGKILL)
+    with Client(endpoint, timeout=120) as client:
+        deadline = time.monotonic() + 90
+        while True:  # the supervisor starts a new frontend on the same port
+            try:
+                assert client.generate("The capital of France is", temperature=0, max_tokens=3).completion_tokens > 0
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "the frontend was not restarted"
+                time.sleep(0.5)
+    second = _child(proc.pid, "frontend")
+    assert second != first and proc.poll() is None
     children = _children(proc.pid)
-    os.kill(children[-1], signal.SIGKILL)  # any one of redis and the four services
+    os.kill(second, signal.SIGKILL)  # a second death within a minute: over --max-restarts 1
     assert _wait(proc) != 0
     assert not [c for c in children if Path(f"/proc/{c}").exists()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.config import require, setting
+from conveyor.config import parse_size, require, setting
 
 ENV_PREFIX = "CONVEYOR_FRONTEND_"
 
@@ -18,9 +18,22 @@ class FrontendConfig:
     internal_port: int = setting(50055, "port of the internal Deliver service")
     advertise: str = setting("", "address the detokenizer uses to reach this frontend (default internal host:port)")
     scheduler: str = setting("127.0.0.1:50052", "address of the scheduler")
+    detokenizer: str = setting("127.0.0.1:50054", "address of the detokenizer (asked to replay a stream from Redis)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state")
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
     max_stop_strings: int = setting(16, "most stop strings per request")
+    max_prompt_tokens: int = setting(0, "most prompt tokens per request (0: the model's max length - 1)")
+    max_message_bytes: int = setting(4 << 20, "largest request message in bytes (beyond: RESOURCE_EXHAUSTED)",
+                                     parse=parse_size)
+    request_timeout: float = setting(0.0, "seconds a request may run before it is aborted with DEADLINE_EXCEEDED "
+                                          "(0: no limit but the client's own deadline)")
+    api_keys_file: str = setting("", "file of API keys, one 'name:key' per line; with keys set, calls without "
+                                     "one get UNAUTHENTICATED")
+    api_keys: str = setting("", "API keys, comma-separated 'name:key' (prefer the environment variable)")
+    max_streams_per_key: int = setting(0, "most streams one API key may have open (0: no limit)")
+    tls_cert: str = setting("", "PEM certificate of the public API (with --tls-key: TLS)")
+    tls_key: str = setting("", "PEM private key of the public API")
+    tls_client_ca: str = setting("", "PEM CA that must sign client certificates (mutual TLS)")
     max_streams: int = setting(512, "most client streams this frontend serves at once (threads)")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
     metrics_port: int = setting(9101, "port of the Prometheus /metrics endpoint (0: any free port)")
@@ -32,6 +45,12 @@ class FrontendConfig:
         require(0 <= self.internal_port < 65536, "internal_port", f"must be in [0, 65535], got {self.internal_port}")
         require(self.max_stop_strings >= 0, "max_stop_strings", "must be >= 0")
         require(self.max_streams >= 1, "max_streams", "must be >= 1")
+        require(self.max_prompt_tokens >= 0, "max_prompt_tokens", "must be >= 0")
+        require(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1K")
+        require(self.request_timeout >= 0, "request_timeout", "must be >= 0")
+        require(self.max_streams_per_key >= 0, "max_streams_per_key", "must be >= 0")
+        require(bool(self.tls_cert) == bool(self.tls_key), "tls_key", "and --tls-cert go together")
+        require(not self.tls_client_ca or bool(self.tls_cert), "tls_client_ca", "needs --tls-cert and --tls-key")
 
     @property
     def deliver_address(self) -> str:

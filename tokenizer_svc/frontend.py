@@ -3,7 +3,13 @@ deltas the detokenizer delivers to the client stream that waits for them.
 
 Deltas may arrive twice (a detokenizer or scheduler that restarted replays from Redis): each
 carries the character offset of its text and the index of its first token, and ``ClientStream``
-forwards only what its client has not seen, so the client sees every token exactly once.
+forwards only what its client has not seen, so the client sees every token exactly once. A delta
+that starts past what the client has (one before it was lost) is not forwarded: the stream is
+*behind*, and asks the detokenizer to replay the request from Redis.
+
+A stream that hears nothing for ``STALL_SECONDS`` compares itself with Redis; if Redis is still
+ahead at the next look (a delivery was lost while some process restarted, not merely in flight),
+it asks for a replay too. So no token is lost or repeated whichever process restarts.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conveyor.errors import AlreadyExists, ConveyorError, InvalidArgument, Unavailable
+from redis.exceptions import RedisError
+
+from conveyor.errors import AlreadyExists, ConveyorError, InvalidArgument, NotFound, Unavailable
 from conveyor.messages import Delta
 from conveyor.state import RequestRecord, RequestStore
 from conveyor.tokenizer import ModelTokenizer
@@ -39,19 +47,30 @@ class ClientDelta:
     completion_tokens: int = 0
 
 
+STALL_SECONDS = 1.0
+
+
 class ClientStream:
-    def __init__(self, request_id: str, prompt_tokens: int):
+    def __init__(self, request_id: str, prompt_tokens: int, num_tokens: int = 0, text_len: int = 0):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
-        self.text_len = 0  # characters sent
-        self.num_tokens = 0  # tokens sent
+        self.text_len = text_len  # characters sent
+        self.num_tokens = num_tokens  # tokens sent
         self.finished = False
+        self.behind = False  # a delta came that starts past what the client has: replay from Redis
+        self.last_activity = time.monotonic()
+        self.last_check = 0.0
+        self.suspect: tuple[int, bool] | None = None  # Redis's (tokens, finished) at the last look, when ahead
         self._queue: queue.Queue[ClientDelta] = queue.Queue()
 
     def offer(self, d: Delta) -> None:
         """Queue the unseen part of a delta (called from the Deliver handler's thread)."""
         if self.finished:
             return
+        if d.first_token_index > self.num_tokens or d.text_offset > self.text_len:
+            self.behind = True  # something before this delta never arrived
+            return
+        self.last_activity = time.monotonic()
         text = d.text[max(0, self.text_len - d.text_offset):] if d.text_offset + len(d.text) > self.text_len else ""
         skip = max(0, self.num_tokens - d.first_token_index)
         tokens, logprobs = d.token_ids[skip:], d.logprobs[skip:]
@@ -74,14 +93,18 @@ class ClientStream:
 
 class Frontend:
     def __init__(self, tokenizer: ModelTokenizer, store: RequestStore, limits: Limits, address: str,
-                 submit: Callable[[str], None], abort: Callable[[str], bool]):
-        """``address``: where the detokenizer reaches this frontend's Deliver service."""
+                 submit: Callable[[str], None], abort: Callable[[str], bool],
+                 replay: Callable[[str, str], list[Delta]]):
+        """``address``: where the detokenizer reaches this frontend's Deliver service;
+        ``replay(request_id, address)``: the detokenizer's deltas of the request so far, rebuilt from Redis."""
         self.tokenizer = tokenizer
         self.store = store
         self.limits = limits
         self.address = address
         self.submit = submit
         self.abort_at_scheduler = abort
+        self.replay = replay
+        self.on_stalled: Callable[[], None] = lambda: None  # counted by the server
         self.streams: dict[str, ClientStream] = {}
         self.lock = threading.Lock()
 
@@ -94,7 +117,7 @@ class Frontend:
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         return inp.prompt, self.tokenizer.encode(inp.prompt)
 
-    def open(self, inp: GenerateInput, submit_timeout: float = 60.0) -> ClientStream:
+    def open(self, inp: GenerateInput, owner: str = "", submit_timeout: float = 60.0) -> ClientStream:
         """Check, tokenize, record in Redis, submit; returns the stream the deltas will arrive on."""
         check_input(inp, self.limits)
         _, prompt_ids = self.render(inp)
@@ -106,8 +129,8 @@ class Frontend:
                 raise AlreadyExists(f"request_id {request_id!r} is already in use")
             self.streams[request_id] = stream
         try:
-            record = RequestRecord(request_id, prompt_ids, params, frontend=self.address)
-            if not self.store.create(record):
+            record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner)
+            if not _with_redis(lambda: self.store.create(record), "recording the request"):
                 raise AlreadyExists(f"request_id {request_id!r} is already in use (in flight or finished recently)")
             self._submit(request_id, submit_timeout)
         except BaseException:
@@ -146,19 +169,89 @@ class Frontend:
                 stream.offer(d)
         return unknown
 
-    def close(self, request_id: str) -> None:
-        """The client's call ended (finished, cancelled, disconnected or timed out)."""
-        stream = self._unregister(request_id)
+    def close(self, request_id: str, stream: ClientStream | None = None) -> None:
+        """The client's call ended (finished, cancelled, disconnected or timed out). ``stream``: only if
+        it is still this one (a client may have resumed the request on a new stream meanwhile)."""
+        with self.lock:
+            if stream is not None and self.streams.get(request_id) is not stream:
+                return
+            stream = self.streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             try:
                 self.abort_at_scheduler(request_id)
             except ConveyorError as exc:
                 log.warning("abort of %s failed: %s", request_id, exc)
 
-    def abort(self, request_id: str) -> bool:
-        """The public Abort: the stream (here or on another frontend) ends with finish_reason abort."""
+    def abort(self, request_id: str, owner: str = "") -> bool:
+        """The public Abort: the stream (here or on another frontend) ends with finish_reason abort.
+        Only the owner may abort; for anyone else the request does not exist."""
+        record = _with_redis(lambda: self.store.get(request_id), "reading the request")
+        if record is None or record.owner != owner:
+            return False
         return self.abort_at_scheduler(request_id)
+
+    def resume(self, request_id: str, token_index: int, text_offset: int, owner: str = "") -> ClientStream:
+        """Continue a request's stream here (its frontend died, or the client's connection broke) from
+        what the client already has; the detokenizer delivers to this frontend from now on."""
+        record = _with_redis(lambda: self.store.get(request_id), "reading the request")
+        if record is None or record.owner != owner:
+            raise NotFound(f"request_id {request_id!r}: no such request (unknown, another key's, or finished "
+                           "and expired)")
+        if token_index > len(record.output_ids):
+            raise InvalidArgument(f"token_index must be at most the {len(record.output_ids)} tokens generated so "
+                                  f"far, got {token_index}")
+        stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset)
+        with self.lock:
+            self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed
+        _with_redis(lambda: self.store.set_frontend(request_id, self.address), "claiming the request")
+        stream.behind = True
+        self.keep_up(stream)
+        return stream
+
+    def keep_up(self, stream: ClientStream) -> None:
+        """Called while a stream waits: replay it from Redis when it is behind (see the module doc)."""
+        now = time.monotonic()
+        if stream.finished or (not stream.behind and now - stream.last_activity < STALL_SECONDS):
+            return
+        if not stream.behind:
+            if now - stream.last_check < STALL_SECONDS:
+                return
+            stream.last_check = now
+            try:
+                progress = self.store.progress(stream.request_id)
+            except RedisError:
+                return  # Redis is restarting; look again later
+            suspect, stream.suspect = stream.suspect, None
+            if progress is None or (progress[0] <= stream.num_tokens and not progress[1]):
+                return
+            if suspect is None or not (stream.num_tokens < suspect[0] or suspect[1]):
+                stream.suspect = progress  # ahead now: maybe only in flight; replay if still so next time
+                return
+            self.on_stalled()
+        try:
+            deltas = self.replay(stream.request_id, self.address)
+        except ConveyorError as exc:
+            log.warning("replay of %s failed (%s); trying again", stream.request_id, exc)
+            stream.behind = True
+            return
+        stream.behind = False
+        for d in deltas:
+            stream.offer(d)
 
     def _unregister(self, request_id: str) -> ClientStream | None:
         with self.lock:
             return self.streams.pop(request_id, None)
+
+
+def _with_redis(call, what: str, timeout: float = 10.0):
+    """``call()``, retried while Redis is unreachable (it may be restarting); then UNAVAILABLE."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        try:
+            return call()
+        except RedisError as exc:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"Redis is unreachable ({what}): {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)

@@ -7,18 +7,20 @@ so that the internal service can stay on localhost. Protobuf is converted here a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor import grpc_util
-from conveyor.errors import ConveyorError, InvalidArgument, ResourceExhausted, Unavailable
+from conveyor.errors import ConveyorError, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
-from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.wire import FINISH_FROM_PB, FINISH_TO_PB
 from tokenizer_svc.config import FrontendConfig
 from tokenizer_svc.frontend import ClientDelta, Frontend
@@ -85,7 +87,9 @@ class SchedulerClient:
     CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument}
 
     def __init__(self, address: str):
-        self.stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(address, options=grpc_util.channel_options()))
+        channel = grpc.insecure_channel(address, options=grpc_util.channel_options())
+        self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
 
     def _call(self, method, request, timeout: float = 10.0):
         try:
@@ -100,6 +104,14 @@ class SchedulerClient:
     def abort(self, request_id: str) -> bool:
         return self._call(self.stub.Abort, scheduler_pb2.SchedulerAbortRequest(request_id=request_id)).aborted
 
+    def serving(self) -> bool:
+        """Whether the scheduler's health says SERVING (it is not while its worker or Redis is down)."""
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     def info(self) -> scheduler_pb2.SchedulerInfoResponse:
         """The scheduler's Info, waiting until it answers (it waits for the worker itself)."""
         while True:
@@ -107,6 +119,27 @@ class SchedulerClient:
                 return self.stub.Info(scheduler_pb2.SchedulerInfoRequest(), timeout=5)
             except grpc.RpcError:
                 time.sleep(0.5)
+
+
+class DetokenizerClient:
+    """Replay as a plain call: the deltas of a request so far, rebuilt from Redis by the detokenizer."""
+
+    def __init__(self, address: str):
+        channel = grpc.insecure_channel(address, options=grpc_util.channel_options())
+        self.stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
+
+    def replay(self, request_id: str, frontend: str) -> list[Delta]:
+        try:
+            reply = self.stub.Replay(detokenizer_pb2.ReplayRequest(request_id=request_id, frontend=frontend), timeout=10)
+        except grpc.RpcError as exc:
+            kind = NotFound if exc.code() == grpc.StatusCode.NOT_FOUND else Unavailable
+            raise kind(f"detokenizer: {exc.details()}") from exc
+        return [delta_from_pb(d) for d in reply.deltas]
+
+
+def owner(context) -> str:
+    """The API key name the auth interceptor found for this call ("" when keys are off)."""
+    return getattr(context, grpc_util.OWNER_ATTR, "")
 
 
 # ---------------------------------------------------------------- the services
@@ -151,27 +184,44 @@ class RequestTimer:
 
 
 class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
-    def __init__(self, frontend: Frontend, info: conveyor_pb2.ServerInfoResponse, metrics: Metrics):
+    def __init__(self, frontend: Frontend, info: conveyor_pb2.ServerInfoResponse, metrics: Metrics,
+                 request_timeout: float = 0.0):
         self.frontend = frontend
         self.info = info
         self.metrics = metrics
+        self.request_timeout = request_timeout
 
     def Generate(self, request, context):
         timer = RequestTimer(self.metrics)
         try:
-            stream = self.frontend.open(input_from_pb(request))
+            stream = self.frontend.open(input_from_pb(request), owner(context))
         except ConveyorError as exc:
             self.metrics.requests_rejected.labels(reason=exc.code.lower()).inc()
             raise
-        context.add_callback(lambda: self.frontend.close(stream.request_id))
+        yield from self._follow(stream, timer, context)
+
+    def Resume(self, request, context):
+        stream = self.frontend.resume(request.request_id, request.token_index, request.text_offset, owner(context))
+        self.metrics.resumed_streams.inc()
+        yield from self._follow(stream, RequestTimer(self.metrics), context)
+
+    def _follow(self, stream, timer: RequestTimer, context):
+        """Forward a stream's deltas to the client until it finishes or the client goes away."""
+        context.add_callback(lambda: self.frontend.close(stream.request_id, stream))
         self.metrics.client_streams.inc()
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
         try:
             while True:
+                if deadline is not None and time.monotonic() > deadline:
+                    timer.finished("abort", stream.prompt_tokens)
+                    self.frontend.close(stream.request_id, stream)  # aborts it at the scheduler
+                    raise DeadlineExceeded(f"the request ran longer than {self.request_timeout:g} s (--request-timeout)")
                 delta = stream.next(POLL_SECONDS)
                 if delta is None:
                     if not context.is_active():  # cancelled, disconnected or past its deadline
                         timer.finished("abort", stream.prompt_tokens)
                         return
+                    self.frontend.keep_up(stream)
                     continue
                 yield client_delta_to_pb(delta)
                 timer.sent(delta)
@@ -181,7 +231,7 @@ class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
             self.metrics.client_streams.dec()
 
     def Abort(self, request, context):
-        return conveyor_pb2.AbortResponse(aborted=self.frontend.abort(request.request_id))
+        return conveyor_pb2.AbortResponse(aborted=self.frontend.abort(request.request_id, owner(context)))
 
     def Tokenize(self, request, context):
         kind = request.WhichOneof("input")
@@ -206,6 +256,22 @@ class FrontendService(frontend_pb2_grpc.FrontendServicer):
         return frontend_pb2.DeliverResponse(unknown_request_ids=unknown)
 
 
+def follow_scheduler(scheduler: SchedulerClient, health, metrics: Metrics, every: float = 1.0) -> None:
+    """Keep the public health NOT_SERVING while the scheduler (or its worker or Redis) is down."""
+
+    def run() -> None:
+        serving = True
+        while True:
+            time.sleep(every)
+            now = scheduler.serving()
+            if now != serving:
+                log.warning("the scheduler is %s", "back" if now else "down; health is NOT_SERVING")
+                grpc_util.set_serving(health, [PUBLIC_SERVICE], now, metrics)
+                serving = now
+
+    threading.Thread(target=run, name="health", daemon=True).start()
+
+
 def serve(cfg: FrontendConfig) -> None:
     tokenizer = load_tokenizer(cfg.model)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
@@ -214,26 +280,38 @@ def serve(cfg: FrontendConfig) -> None:
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
     internal = grpc_util.make_server(max_workers=8, metrics=metrics)
     internal_health = grpc_util.add_health_and_reflection(internal, [INTERNAL_SERVICE])
-    public = grpc_util.make_server(max_workers=cfg.max_streams + 8, metrics=metrics)
+    keys = grpc_util.ApiKeys.load(cfg.api_keys_file, cfg.api_keys)
+    auth = grpc_util.AuthInterceptor(keys, cfg.max_streams_per_key)
+    # beyond max_streams calls at once, gRPC answers RESOURCE_EXHAUSTED instead of queueing them unseen
+    public = grpc_util.make_server(max_workers=cfg.max_streams + 8, metrics=metrics, interceptors=[auth],
+                                   max_message_bytes=cfg.max_message_bytes, max_concurrent_rpcs=cfg.max_streams + 8)
     public_health = grpc_util.add_health_and_reflection(public, [PUBLIC_SERVICE])
     sinfo = scheduler.info()
-    limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings)
-    frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, scheduler.submit, scheduler.abort)
+    limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings,
+                    max_prompt_tokens=cfg.max_prompt_tokens)
+    detokenizer = DetokenizerClient(cfg.detokenizer)
+    frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, scheduler.submit, scheduler.abort,
+                        detokenizer.replay)
+    frontend.on_stalled = metrics.stalled_streams.inc
     info = conveyor_pb2.ServerInfoResponse(
         model_name=sinfo.model_name, max_model_len=sinfo.max_model_len, eos_token_ids=sinfo.eos_token_ids,
         max_stop_strings=cfg.max_stop_strings, max_waiting_requests=sinfo.max_waiting,
         has_chat_template=bool(tokenizer.chat_template), worker=f"{sinfo.device}/{sinfo.dtype}",
     )
     frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
-    conveyor_pb2_grpc.add_ConveyorServicer_to_server(ConveyorService(frontend, info, metrics), public)
+    conveyor_pb2_grpc.add_ConveyorServicer_to_server(ConveyorService(frontend, info, metrics, cfg.request_timeout),
+                                                     public)
     internal_port = grpc_util.bind(internal, cfg.internal_host, cfg.internal_port)
-    port = grpc_util.bind(public, cfg.host, cfg.port)
+    tls = grpc_util.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
+    port = grpc_util.bind(public, cfg.host, cfg.port, tls)
     internal.start()
     public.start()
     grpc_util.set_serving(internal_health, [INTERNAL_SERVICE], True)
     grpc_util.set_serving(public_health, [PUBLIC_SERVICE], True, metrics)
-    log.info("frontend serving %s on %s:%d (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name, cfg.host,
-             port, cfg.internal_host, internal_port, cfg.metrics_host, metrics_port)
+    follow_scheduler(scheduler, public_health, metrics)
+    log.info("frontend serving %s on %s:%d%s%s (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name, cfg.host,
+             port, " with TLS" if tls else "", f", {len(keys.digests)} API keys" if keys else "", cfg.internal_host,
+             internal_port, cfg.metrics_host, metrics_port)
 
     def stop() -> None:
         grpc_util.set_serving(public_health, [PUBLIC_SERVICE], False, metrics)

@@ -50,6 +50,7 @@ class Limits:
     max_stop_length: int = 256  # characters
     max_logprobs: int = 20
     max_prompt_chars: int = 1 << 20
+    max_prompt_tokens: int = 0  # 0: max_model_len - 1
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -106,6 +107,9 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
 def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits) -> RequestParams:
     """The request's parameters with defaults filled in, after the prompt is tokenized."""
     _check(num_prompt_tokens >= 1, "prompt", "gives no tokens")
+    if limits.max_prompt_tokens:
+        _check(num_prompt_tokens <= limits.max_prompt_tokens, "prompt",
+               f"has {num_prompt_tokens} tokens; the limit is {limits.max_prompt_tokens} (--max-prompt-tokens)")
     room = limits.max_model_len - num_prompt_tokens
     _check(room >= 1, "prompt", f"has {num_prompt_tokens} tokens; the max model length is {limits.max_model_len}")
     max_tokens = inp.max_tokens if inp.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)

@@ -133,6 +133,16 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token_index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "token_index", "text_offset")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_index: int
+    text_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., token_index: _Optional[int] = ..., text_offset: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class ConveyorStub:
                 request_serializer=conveyor_dot_v1_dot_conveyor__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_conveyor__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/conveyor.v1.Conveyor/Resume',
+                request_serializer=conveyor_dot_v1_dot_conveyor__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_conveyor__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/conveyor.v1.Conveyor/Abort',
                 request_serializer=conveyor_dot_v1_dot_conveyor__pb2.AbortRequest.SerializeToString,
@@ -61,6 +66,14 @@ class ConveyorServicer:
 
     def Generate(self, request, context):
         """Generate text for a prompt or a chat, streamed as deltas. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Continue a request's stream by id, e.g. on another frontend after the one streaming it died:
+        deltas start at the given token index and text offset (what the client already has).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +106,11 @@ def add_ConveyorServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=conveyor_dot_v1_dot_conveyor__pb2.GenerateRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_conveyor__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=conveyor_dot_v1_dot_conveyor__pb2.ResumeRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_conveyor__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -137,6 +155,33 @@ class Conveyor:
             target,
             '/conveyor.v1.Conveyor/Generate',
             conveyor_dot_v1_dot_conveyor__pb2.GenerateRequest.SerializeToString,
+            conveyor_dot_v1_dot_conveyor__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/conveyor.v1.Conveyor/Resume',
+            conveyor_dot_v1_dot_conveyor__pb2.ResumeRequest.SerializeToString,
             conveyor_dot_v1_dot_conveyor__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

@@ -1,4 +1,5 @@
 from conveyor.v1 import conveyor_pb2 as _conveyor_pb2
+from conveyor.v1 import frontend_pb2 as _frontend_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -34,3 +35,17 @@ class TokenBatch(_message.Message):
 class PushResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReplayRequest(_message.Message):
+    __slots__ = ("request_id", "frontend")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    frontend: str
+    def __init__(self, request_id: _Optional[str] = ..., frontend: _Optional[str] = ...) -> None: ...
+
+class ReplayResponse(_message.Message):
+    __slots__ = ("deltas",)
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[_frontend_pb2.Delta]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[_frontend_pb2.Delta, _Mapping]]] = ...) -> None: ...

@@ -39,6 +39,11 @@ class DetokenizerStub:
                 request_serializer=conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_detokenizer__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Replay = channel.unary_unary(
+                '/conveyor.v1.Detokenizer/Replay',
+                request_serializer=conveyor_dot_v1_dot_detokenizer__pb2.ReplayRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_detokenizer__pb2.ReplayResponse.FromString,
+                _registered_method=True)
 
 
 class DetokenizerServicer:
@@ -51,6 +56,14 @@ class DetokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replay(self, request, context):
+        """Rebuild one request's text from Redis and return all of it (finished or not); later deltas go to
+        the given frontend. A frontend calls it when its stream is behind Redis, or a client resumed there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DetokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +71,11 @@ def add_DetokenizerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.FromString,
                     response_serializer=conveyor_dot_v1_dot_detokenizer__pb2.PushResponse.SerializeToString,
+            ),
+            'Replay': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replay,
+                    request_deserializer=conveyor_dot_v1_dot_detokenizer__pb2.ReplayRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_detokenizer__pb2.ReplayResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +105,33 @@ class Detokenizer:
             '/conveyor.v1.Detokenizer/Push',
             conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.SerializeToString,
             conveyor_dot_v1_dot_detokenizer__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.Detokenizer/Replay',
+            conveyor_dot_v1_dot_detokenizer__pb2.ReplayRequest.SerializeToString,
+            conveyor_dot_v1_dot_detokenizer__pb2.ReplayResponse.FromString,
             options,
             channel_credentials,
             insecure,
