@@ -34,6 +34,8 @@ WORDS = ("the cat dog sun sea sky red blue tree book road home time day way man 
 @dataclass
 class BenchConfig:
     target: str = setting("127.0.0.1:50051", "the frontend's address")
+    api_key: str = setting("", "API key of the server (prefer the environment variable)")
+    ca_cert: str = setting("", "PEM CA that signed the server's certificate (TLS)")
     concurrency: list[int] = setting(None, "fixed-concurrency levels to sweep (default: 1 8 32 unless --rate)", nargs="+")
     rate: list[float] = setting(None, "Poisson arrival rates to sweep, in requests/s (instead of --concurrency)",
                                 nargs="+")
@@ -242,7 +244,7 @@ def plot(levels: list[tuple[str, list[RequestResult]]], path: str) -> None:
 
 
 def run(cfg: BenchConfig) -> int:
-    with Client(cfg.target, timeout=cfg.timeout) as client:
+    with Client(cfg.target, timeout=cfg.timeout, api_key=cfg.api_key or None, ca_cert=cfg.ca_cert or None) as client:
         info = client.server_info()
         print(f"{info.model_name} on {info.worker} at {cfg.target}: prompts {cfg.prompt_tokens} tokens, outputs "
               f"{cfg.max_tokens} tokens, {cfg.num_requests} requests per level (+{cfg.warmup} warm-up), seed {cfg.seed}",

@@ -12,6 +12,7 @@ Every ``serve`` flag has an environment variable (``CONVEYOR_<SERVICE>_<FLAG>``)
 from __future__ import annotations
 
 import argparse
+import os
 import importlib
 import logging
 import sys
@@ -62,10 +63,15 @@ def _options(args: argparse.Namespace) -> dict:
             if getattr(args, name) is not None} | ({"stop": args.stop} if args.stop else {})
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _client(args: argparse.Namespace):
     from conveyor.client import Client
 
-    with Client(args.target, timeout=args.timeout) as client:
+    return Client(args.target, timeout=args.timeout, api_key=args.api_key or None, tls=args.tls,
+                  ca_cert=args.ca_cert or None)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    with _client(args) as client:
         last = None
         for delta in client.stream(args.prompt, **_options(args)):
             print(delta.text, end="", flush=True)
@@ -78,10 +84,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from conveyor.client import Client
-
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    with Client(args.target, timeout=args.timeout) as client:
+    with _client(args) as client:
         print("Chat with the model; an empty line or Ctrl-D ends it.", file=sys.stderr)
         while True:
             try:
@@ -103,6 +107,10 @@ def _chat(args: argparse.Namespace) -> int:
 def _client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50051", help="the frontend's address (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each call, in seconds")
+    parser.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY", ""),
+                        help="API key of the server (default: env CONVEYOR_API_KEY)")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument("--ca-cert", default="", help="PEM CA that signed the server's certificate (implies --tls)")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)

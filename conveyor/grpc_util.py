@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import signal
 import threading
 from collections import Counter
@@ -214,6 +215,44 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
+
+
+INTERNAL_TLS_ENV = "CONVEYOR_INTERNAL_TLS_DIR"
+INTERNAL_TLS_NAME = "conveyor-internal"  # the name internal certificates carry (subjectAltName DNS)
+
+
+def _internal_tls() -> tuple[bytes, bytes, bytes] | None:
+    """(ca, cert, key) PEMs from the folder in ``CONVEYOR_INTERNAL_TLS_DIR`` (ca.pem, cert.pem, key.pem),
+    or None: then internal services talk plain gRPC (on localhost by default)."""
+    folder = os.environ.get(INTERNAL_TLS_ENV)
+    if not folder:
+        return None
+    try:
+        return tuple(Path(folder, name).read_bytes() for name in ("ca.pem", "cert.pem", "key.pem"))  # type: ignore[return-value]
+    except OSError as exc:
+        raise ConfigError(f"{INTERNAL_TLS_ENV}={folder}: {exc}") from exc
+
+
+def internal_channel(address: str) -> grpc.Channel:
+    """A channel to another Conveyor service: mutual TLS when ``CONVEYOR_INTERNAL_TLS_DIR`` is set.
+    Every service's certificate names ``conveyor-internal``, so any address (IP, compose name) works."""
+    tls = _internal_tls()
+    if tls is None:
+        return grpc.insecure_channel(address, options=channel_options())
+    ca, cert, key = tls
+    options = [*channel_options(), ("grpc.ssl_target_name_override", INTERNAL_TLS_NAME)]
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
+
+
+def bind_internal(server: grpc.Server, host: str, port: int) -> int:
+    """``bind`` for an internal service: with ``CONVEYOR_INTERNAL_TLS_DIR``, only peers holding a
+    certificate from its CA get in (mutual TLS)."""
+    tls = _internal_tls()
+    credentials = None
+    if tls is not None:
+        ca, cert, key = tls
+        credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    return bind(server, host, port, credentials)
 
 
 def make_server(max_workers: int = 8, metrics=None, interceptors=(), max_message_bytes: int = MAX_MESSAGE_BYTES,

@@ -10,9 +10,11 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conveyor import grpc_util
+
 
 def check(address: str, service: str = "", timeout: float = 3.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+    with grpc_util.internal_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=timeout)

@@ -13,6 +13,7 @@ flight survive: every service rebuilds from Redis (see ``conveyor/state.py``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -30,6 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conveyor import grpc_util
 from conveyor.config import parse_size, require, setting
 from conveyor.errors import ConfigError
 
@@ -97,7 +99,28 @@ class Child:
 
 
     def spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL if self.name == "redis" else None)
+        return _popen(self.argv, self.env, quiet=self.name == "redis")
+
+
+def _prctl():
+    try:
+        return ctypes.CDLL(None).prctl  # resolved before fork: the child only calls it
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl() if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
+    _PRCTL(1, signal.SIGTERM)
+
+
+def _popen(argv: list[str], env: dict[str, str] | None = None, quiet: bool = False) -> subprocess.Popen:
+    """A child of the stack; it is stopped when the launcher dies (no orphans holding ports)."""
+    preexec = _die_with_parent if _PRCTL is not None else None
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL if quiet else None, preexec_fn=preexec)
 
 
 def redact(url: str) -> str:
@@ -187,7 +210,7 @@ def wait_serving(address: str, service: str, process: subprocess.Popen, timeout:
     """Poll ``grpc.health.v1`` at ``address`` until ``service`` is SERVING; fail if ``process`` exits."""
     name = name or service
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with grpc_util.internal_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -220,7 +243,7 @@ def _start_redis(cfg: UpConfig, stack: Stack) -> str:
     conf.write_text(f"requirepass {password}\n")
     argv = [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
             "--save", "", "--daemonize", "no", "--loglevel", "warning"]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    process = _popen(argv, quiet=True)
     stack.children.append(Child("redis", process, argv=argv))
     import redis  # noqa: PLC0415 - only the launcher needs to ping
 
@@ -273,7 +296,7 @@ def start(cfg: UpConfig) -> Stack:
         for name, flags, health, service in plan:
             argv = _serve(name, *flags, "--metrics-port", str(metrics[name]))
             env = dict(os.environ, **{f"CONVEYOR_{name.upper()}_REDIS_URL": stack.redis_url})
-            stack.children.append(Child(name, subprocess.Popen(argv, env=env), health, service, argv,
+            stack.children.append(Child(name, _popen(argv, env), health, service, argv,
                                         f"{cfg.metrics_host}:{metrics[name]}", env=env))
         deadline = time.monotonic() + cfg.ready_timeout
         for child in stack.children:

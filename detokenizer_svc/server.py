@@ -50,7 +50,7 @@ class Channels:
     def frontend(self, address: str) -> frontend_pb2_grpc.FrontendStub:
         with self._lock:
             if address not in self._stubs:
-                channel = grpc.insecure_channel(address, options=grpc_util.channel_options())
+                channel = grpc_util.internal_channel(address)
                 self._stubs[address] = frontend_pb2_grpc.FrontendStub(channel)
             return self._stubs[address]
 
@@ -166,7 +166,7 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
 def serve(cfg: DetokenizerConfig) -> None:
     tokenizer = load_tokenizer(cfg.model)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
-    scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(cfg.scheduler, options=grpc_util.channel_options()))
+    scheduler = scheduler_pb2_grpc.SchedulerStub(grpc_util.internal_channel(cfg.scheduler))
 
     metrics = Metrics("detokenizer")
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
@@ -182,7 +182,7 @@ def serve(cfg: DetokenizerConfig) -> None:
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, scheduler, metrics, cfg.orphan_timeout), server)
-    port = grpc_util.bind(server, cfg.host, cfg.port)
+    port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
     log.info("detokenizer serving on %s:%d (metrics on %s:%d)", cfg.host, port, cfg.metrics_host, metrics_port)

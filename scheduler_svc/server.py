@@ -217,14 +217,14 @@ def watch_redis(store: RequestStore, metrics: Metrics, every: float = 5.0) -> No
 
 
 def build_engine(cfg: SchedulerConfig, metrics: Metrics) -> tuple[Engine, scheduler_pb2.SchedulerInfoResponse]:
-    worker = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(cfg.worker, options=grpc_util.channel_options()))
+    worker = worker_pb2_grpc.WorkerStub(grpc_util.internal_channel(cfg.worker))
     info = worker_info(worker, cfg.worker)
     max_len = min(info.max_model_len, info.num_blocks * info.block_size)
     batched, seqs = cfg.limits(info.device)
     scheduler = Scheduler(BlockManager(info.num_blocks, info.block_size), max_len, batched, seqs, cfg.max_waiting)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix, cfg.finished_ttl)
     detokenizer = detokenizer_pb2_grpc.DetokenizerStub(
-        grpc.insecure_channel(cfg.detokenizer, options=grpc_util.channel_options())
+        grpc_util.internal_channel(cfg.detokenizer)
     )
 
     engine = Engine(scheduler, store, StepChannel(worker), Publisher(detokenizer), tuple(info.eos_token_ids),
@@ -246,7 +246,7 @@ def serve(cfg: SchedulerConfig) -> None:
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     service = SchedulerService()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
-    port = grpc_util.bind(server, cfg.host, cfg.port)
+    port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()  # health answers NOT_SERVING while we wait for the worker
     engine, info = build_engine(cfg, metrics)
     engine.on_health = lambda serving: grpc_util.set_serving(health, [SERVICE_NAME], serving, metrics)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import time
 
+import grpc
 import pytest
 import redis
 from helpers import FREE_METRICS_PORTS, free_port, spawn, stop, wait_serving
@@ -16,6 +17,7 @@ from helpers import FREE_METRICS_PORTS, free_port, spawn, stop, wait_serving
 from conveyor.client import Client
 from conveyor.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
 from conveyor.launcher import UpConfig, start
+from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-9876543210ab"}
 CHAT = [{"role": "user", "content": "Count from one to fifty in words."}]
@@ -165,3 +167,32 @@ def test_private_redis_requires_its_password(stack):
     assert redis.Redis.from_url(stack.redis_url).ping()
     for child in stack.children:
         assert not any(stack.redis_url in arg for arg in child.argv)  # never on a command line (ps shows those)
+
+
+def test_internal_services_with_mutual_tls_refuse_peers_without_a_certificate(certs, tmp_path, monkeypatch):
+    folder = tmp_path / "internal"
+    folder.mkdir()
+    (certs / "internal.cnf").write_text("subjectAltName=DNS:conveyor-internal\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(folder / "key.pem"), "-out", "internal.csr",
+             "-subj", "/CN=conveyor-internal", cwd=certs)
+    _openssl("x509", "-req", "-in", "internal.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", str(folder / "cert.pem"), "-days", "2", "-extfile", "internal.cnf", cwd=certs)
+    (folder / "ca.pem").write_bytes((certs / "ca.pem").read_bytes())
+    monkeypatch.setenv("CONVEYOR_INTERNAL_TLS_DIR", str(folder))  # every service (and the launcher) reads it
+    cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
+                   **FREE_METRICS_PORTS, kv_cache_bytes=64 << 20, log_level="WARNING", data_dir=str(tmp_path / "r"))
+    s = start(cfg)
+    try:
+        with Client(s.endpoint, timeout=120) as c:  # the public API is unchanged
+            assert c.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
+        scheduler = s.child("scheduler").health
+        info = scheduler_pb2.SchedulerInfoRequest()
+        with grpc.insecure_channel(scheduler) as plain, pytest.raises(grpc.RpcError) as refused:
+            scheduler_pb2_grpc.SchedulerStub(plain).Info(info, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        ca_only = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
+        options = [("grpc.ssl_target_name_override", "conveyor-internal")]
+        with grpc.secure_channel(scheduler, ca_only, options=options) as anonymous, pytest.raises(grpc.RpcError):
+            scheduler_pb2_grpc.SchedulerStub(anonymous).Info(info, timeout=5)
+    finally:
+        s.stop()

@@ -87,7 +87,7 @@ class SchedulerClient:
     CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument}
 
     def __init__(self, address: str):
-        channel = grpc.insecure_channel(address, options=grpc_util.channel_options())
+        channel = grpc_util.internal_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
 
@@ -125,7 +125,7 @@ class DetokenizerClient:
     """Replay as a plain call: the deltas of a request so far, rebuilt from Redis by the detokenizer."""
 
     def __init__(self, address: str):
-        channel = grpc.insecure_channel(address, options=grpc_util.channel_options())
+        channel = grpc_util.internal_channel(address)
         self.stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
 
     def replay(self, request_id: str, frontend: str) -> list[Delta]:
@@ -301,7 +301,7 @@ def serve(cfg: FrontendConfig) -> None:
     frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
     conveyor_pb2_grpc.add_ConveyorServicer_to_server(ConveyorService(frontend, info, metrics, cfg.request_timeout),
                                                      public)
-    internal_port = grpc_util.bind(internal, cfg.internal_host, cfg.internal_port)
+    internal_port = grpc_util.bind_internal(internal, cfg.internal_host, cfg.internal_port)
     tls = grpc_util.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     port = grpc_util.bind(public, cfg.host, cfg.port, tls)
     internal.start()

@@ -204,7 +204,7 @@ def serve(cfg: WorkerConfig) -> None:
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner, info, metrics), server)
-    port = grpc_util.bind(server, cfg.host, cfg.port)
+    port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
     log.info("worker serving %s on %s:%d (metrics on %s:%d)", info.model_name, cfg.host, port, cfg.metrics_host,

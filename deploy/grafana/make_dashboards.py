@@ -96,6 +96,12 @@ def health() -> dict:
         panel("Detokenizer tokens / s and stop-string matches",
               [("tokens / s", f"sum(rate(conveyor_detokenizer_tokens_total[{RATE}]))"),
                ("stop strings / s", f"sum(rate(conveyor_stop_string_matches_total[{RATE}]))")]),
+        panel("Recovery: records rewritten, replays, resumes",
+              [("Redis records repaired", f"sum(increase(conveyor_redis_repairs_total[{RATE}]))"),
+               ("streams replayed from Redis", f"sum(increase(conveyor_replays_total[{RATE}]))"),
+               ("stalled streams found", f"sum(increase(conveyor_stalled_streams_total[{RATE}]))"),
+               ("client streams resumed", f"sum(increase(conveyor_resumed_streams_total[{RATE}]))"),
+               ("orphans aborted", f"sum(increase(conveyor_orphan_aborts_total[{RATE}]))")]),
     ])
 
 
