@@ -1,0 +1,46 @@
+"""The Redis record's self-healing writes, against a real redis-server."""
+
+from __future__ import annotations
+
+import uuid
+
+from conveyor.params import RequestParams
+from conveyor.state import RequestRecord, RequestStore
+
+
+def _store(redis_server) -> RequestStore:
+    return RequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
+
+
+def _append(store: RequestStore, rid: str, tokens: list[int], num_output: int) -> set[str]:
+    writer = store.writer()
+    writer.tokens(rid, tokens, num_output, None)
+    return writer.execute()
+
+
+def test_a_retried_append_does_not_add_the_tokens_twice(redis_server):
+    store = _store(redis_server)
+    rid = uuid.uuid4().hex
+    assert store.create(RequestRecord(rid, [1, 2, 3], RequestParams()))
+    assert _append(store, rid, [7], 1) == set()
+    assert _append(store, rid, [8, 9], 3) == set()
+    assert _append(store, rid, [8, 9], 3) == set()  # the same step's write again (a retry after a failure)
+    assert store.get(rid).output_ids == [7, 8, 9]
+
+
+def test_a_lost_record_is_reported_and_restored_whole(redis_server):
+    store = _store(redis_server)
+    rid = uuid.uuid4().hex
+    record = RequestRecord(rid, [1, 2, 3], RequestParams(max_tokens=9), frontend="fe:1", owner="alice")
+    assert store.create(record)
+    assert _append(store, rid, [7, 8], 2) == set()
+    store.redis.delete(store.key(rid), store.out_key(rid))  # Redis restarted and lost it
+    assert _append(store, rid, [9], 3) == {rid}  # the next write notices
+    record.output_ids, record.num_output, record.status = [7, 8, 9], 3, "running"
+    writer = store.writer()
+    writer.restore(record)
+    assert writer.execute() == set()
+    back = store.get(rid)
+    assert (back.output_ids, back.prompt_ids, back.frontend, back.owner, back.params.max_tokens) == \
+        ([7, 8, 9], [1, 2, 3], "fe:1", "alice", 9)
+    assert rid in store.inflight()
