@@ -41,11 +41,21 @@ def delta_to_pb(d: Delta) -> frontend_pb2.Delta:
 
 
 class Channels:
-    """One channel per peer address, made on first use."""
+    """One channel per peer address, made on first use. A frontend that just failed is left alone for
+    ``DOWN_SECONDS`` (a host that drops packets would otherwise hold every step for the call's timeout)."""
+
+    DOWN_SECONDS = 1.0
 
     def __init__(self):
         self._stubs: dict[str, frontend_pb2_grpc.FrontendStub] = {}
+        self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
+
+    def is_down(self, address: str) -> bool:
+        return time.monotonic() < self._down_until.get(address, 0.0)
+
+    def failed(self, address: str) -> None:
+        self._down_until[address] = time.monotonic() + self.DOWN_SECONDS
 
     def frontend(self, address: str) -> frontend_pb2_grpc.FrontendStub:
         with self._lock:
@@ -142,11 +152,15 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
 
     def _deliver(self, frontend: str, deltas: list[Delta]) -> None:
         try:
+            if self.channels.is_down(frontend):
+                raise ConnectionError("failed less than a second ago")
             reply = self.channels.frontend(frontend).Deliver(
                 frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]), timeout=5
             )
-        except grpc.RpcError as exc:  # the frontend is gone (its clients may resume elsewhere)
-            log.warning("frontend %s unreachable (%s) for %d requests", frontend, exc.code(), len(deltas))
+        except (grpc.RpcError, ConnectionError) as exc:  # the frontend is gone (its clients may resume elsewhere)
+            if isinstance(exc, grpc.RpcError):
+                self.channels.failed(frontend)
+                log.warning("frontend %s unreachable (%s) for %d requests", frontend, exc.code(), len(deltas))
             gone = {d.request_id for d in deltas if d.finish_reason is None}
         else:
             gone = set(reply.unknown_request_ids)
