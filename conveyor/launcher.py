@@ -13,7 +13,6 @@ flight survive: every service rebuilds from Redis (see ``conveyor/state.py``).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
@@ -102,25 +101,16 @@ class Child:
         return _popen(self.argv, self.env, quiet=self.name == "redis")
 
 
-def _prctl():
-    try:
-        return ctypes.CDLL(None).prctl  # resolved before fork: the child only calls it
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _prctl() if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
-    _PRCTL(1, signal.SIGTERM)
+_SETPRIV = shutil.which("setpriv")  # util-linux
 
 
 def _popen(argv: list[str], env: dict[str, str] | None = None, quiet: bool = False) -> subprocess.Popen:
-    """A child of the stack; it is stopped when the launcher dies (no orphans holding ports)."""
-    preexec = _die_with_parent if _PRCTL is not None else None
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL if quiet else None, preexec_fn=preexec)
+    """A child of the stack, stopped when the launcher dies even by SIGKILL (no orphans holding ports):
+    ``setpriv --pdeathsig`` sets PR_SET_PDEATHSIG and execs it. (Not a ``preexec_fn``: that makes Python
+    fork() instead of vfork(), which runs gRPC's fork handlers in the child, and those can abort it.)"""
+    if _SETPRIV:
+        argv = [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL if quiet else None)
 
 
 def redact(url: str) -> str:

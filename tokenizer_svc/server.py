@@ -256,7 +256,7 @@ class FrontendService(frontend_pb2_grpc.FrontendServicer):
         return frontend_pb2.DeliverResponse(unknown_request_ids=unknown)
 
 
-def follow_scheduler(scheduler: SchedulerClient, health, metrics: Metrics, every: float = 1.0) -> None:
+def follow_scheduler(scheduler: SchedulerClient, health, metrics: Metrics, every: float = 0.5) -> None:
     """Keep the public health NOT_SERVING while the scheduler (or its worker or Redis) is down."""
 
     def run() -> None:
