@@ -137,7 +137,16 @@ def test_random_requests_get_a_well_formed_status(channel, request):
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(payload=st.one_of(st.binary(max_size=200), st.just(b"\x0a\x02\xff\xfe"), st.just(b"\x2a\x03\xc3\x28\x41")))
+@given(payload=st.one_of(
+    st.binary(max_size=200),
+    st.sampled_from([
+        b"\x0a\x02\xff\xfe",  # prompt: invalid UTF-8
+        b"\x2a\x03\xc3\x28\x41",  # request_id: invalid UTF-8
+        b"\x08\x05",  # prompt sent as a number (wrong wire type)
+        b"\x1d\x00\x00\xc0\x7f",  # sampling sent as a float (wrong wire type)
+        b"\x0a\xff\xff\xff\xff\x0f",  # a length far past the end of the message
+    ]),
+))
 def test_raw_bytes_get_a_well_formed_status(channel, payload):
     generate = channel.unary_stream("/conveyor.v1.Conveyor/Generate", request_serializer=lambda b: b,
                                     response_deserializer=lambda b: b)
