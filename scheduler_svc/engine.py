@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from conveyor.errors import NotFound
 from conveyor.state import RequestStore
 from conveyor.metrics import Metrics
+from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.policy import Counters, Output, Scheduler, StepPlan
 from scheduler_svc.request import Request
 
@@ -42,6 +43,9 @@ class StepTransport(Protocol):
 
     def reset(self) -> None:
         """After a failure: forget unanswered steps and reconnect."""
+
+    def capacity(self) -> tuple[int, int, int]:
+        """The worker's (KV blocks, block size, max model length); raises while it does not answer."""
 
 
 Publish = Callable[[int, list[Output]], None]
@@ -217,7 +221,30 @@ class Engine:
         for dropped_plan, dropped_decided in dropped:
             self._write_and_publish(dropped_plan, [], dropped_decided)
         self.transport.reset()
+        self._reattach()
         return min(backoff * 2, 1.0)
+
+    def _reattach(self) -> None:
+        """Wait until the worker answers again and adopt its KV cache size: a worker restarted with another
+        memory budget (or on another GPU) has a different number of blocks. Nothing holds blocks now."""
+        delay = 0.05
+        while not self._stopped:
+            try:
+                num_blocks, block_size, max_model_len = self.transport.capacity()
+                break
+            except Exception:  # noqa: BLE001 - still restarting
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        else:
+            return
+        with self.cond:
+            s = self.scheduler
+            max_len = min(max_model_len, num_blocks * block_size)
+            if (num_blocks, block_size, max_len) != (s.blocks.num_blocks, s.blocks.block_size, s.max_model_len):
+                log.warning("the worker came back with %d blocks x %d tokens (was %d x %d); adopting them",
+                            num_blocks, block_size, s.blocks.num_blocks, s.blocks.block_size)
+                s.resize(BlockManager(num_blocks, block_size), max_len)
+                self.export_gauges()
 
     def _set_health(self, worker_up: bool | None = None, redis_up: bool | None = None) -> None:
         """Record what is down; the gRPC health says NOT_SERVING while the worker or Redis is."""

@@ -169,6 +169,13 @@ class Scheduler:
         self.to_free.clear()
         self.free_all = True
 
+    def resize(self, blocks: BlockManager, max_model_len: int) -> None:
+        """Use another worker's KV cache (after ``reset_worker``: no request holds blocks)."""
+        if self.blocks.num_used:
+            raise RuntimeError("resize with blocks in use; call reset_worker first")
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.to_free or self.free_all)

@@ -105,6 +105,10 @@ class StepChannel:
         self.call.cancel()
         self._open()
 
+    def capacity(self) -> tuple[int, int, int]:
+        info = self.stub.Info(worker_pb2.InfoRequest(), timeout=2)
+        return info.num_blocks, info.block_size, info.max_model_len
+
 
 # ---------------------------------------------------------------- the detokenizer feed
 

@@ -251,3 +251,24 @@ def test_redis_that_lost_everything_gets_every_record_back_from_the_scheduler(st
         if record is not None:  # finished before the flush: gone with it, and nobody needs it
             assert record.status == "finished" and record.output_ids == got.tokens and record.prompt_ids
     assert sum(store.get(f"flushed-{i}") is not None for i in range(len(results))) > len(results) // 2
+
+
+def test_worker_restarted_with_a_smaller_cache_is_adopted(stack, reference):
+    """The worker comes back with another memory budget: the scheduler re-reads its capacity."""
+    from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    def stats():
+        with grpc.insecure_channel(stack.child("scheduler").health) as s:
+            return scheduler_pb2_grpc.SchedulerStub(s).Stats(scheduler_pb2.StatsRequest(), timeout=10)
+
+    worker = stack.child("worker")
+    old_blocks = stats().num_blocks
+    flag = worker.argv.index("--kv-cache-bytes")
+    worker.argv[flag + 1] = str(int(worker.argv[flag + 1]) // 2)  # what the supervisor will start next
+    results = run_load(stack.endpoint, "resized", lambda: _kill(stack, "worker", {}))
+    check("worker with half the cache", results, reference)
+    with grpc.insecure_channel(worker.health) as w:
+        blocks = worker_pb2_grpc.WorkerStub(w).Info(worker_pb2.InfoRequest(), timeout=10).num_blocks
+    after = stats()
+    assert blocks < old_blocks
+    assert after.num_blocks == blocks and after.free_blocks == blocks  # adopted, and all given back
