@@ -243,7 +243,7 @@ class Engine:
             if (num_blocks, block_size, max_len) != (s.blocks.num_blocks, s.blocks.block_size, s.max_model_len):
                 log.warning("the worker came back with %d blocks x %d tokens (was %d x %d); adopting them",
                             num_blocks, block_size, s.blocks.num_blocks, s.blocks.block_size)
-                s.resize(BlockManager(num_blocks, block_size), max_len)
+                self.decided += s.resize(BlockManager(num_blocks, block_size), max_len)
                 self.export_gauges()
 
     def _set_health(self, worker_up: bool | None = None, redis_up: bool | None = None) -> None:
@@ -321,6 +321,6 @@ class Engine:
                                 trim=output.trim, stopped_by_token=output.finish_reason == "stop" and request.stopped_by_token)
                 touched[request.request_id] = request
         self._persist(writer, touched)
-        published = outputs + [o for o in decided if o.finish_reason == "abort"]
+        published = outputs + [o for o in decided if o.finish_reason != "stop"]  # the detokenizer knows its stops
         if published:
             self.publish(plan.step, published)

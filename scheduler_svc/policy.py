@@ -169,12 +169,15 @@ class Scheduler:
         self.to_free.clear()
         self.free_all = True
 
-    def resize(self, blocks: BlockManager, max_model_len: int) -> None:
-        """Use another worker's KV cache (after ``reset_worker``: no request holds blocks)."""
+    def resize(self, blocks: BlockManager, max_model_len: int) -> list[Output]:
+        """Use another worker's KV cache (after ``reset_worker``: no request holds blocks). Requests that
+        no longer fit (their tokens so far plus one) end with "length"; their Outputs are returned."""
         if self.blocks.num_used:
             raise RuntimeError("resize with blocks in use; call reset_worker first")
         self.blocks = blocks
         self.max_model_len = max_model_len
+        too_long = [r for r in self.waiting if r.num_tokens >= max_model_len]
+        return [self._finish(r, "length") for r in too_long]
 
     @property
     def has_work(self) -> bool:

@@ -209,3 +209,17 @@ def test_no_decode_beyond_max_tokens_while_the_last_is_in_flight():
     s.add(_request("a", 3, max_tokens=1))
     s.schedule()
     assert s.schedule().chunks == []  # its one token is in flight: nothing more to compute
+
+
+def test_resize_to_a_smaller_worker_ends_the_requests_that_no_longer_fit():
+    s = _scheduler(num_blocks=64, block_size=4, max_len=256)
+    long, short = _request("long", 40), _request("short", 5)
+    s.add(long), s.add(short)
+    for _ in range(3):
+        _run(s)
+    s.reset_worker()  # the worker died: everything is waiting again, no blocks held
+    ended = s.resize(BlockManager(8, 4), 32)  # it came back with 8 blocks of 4 tokens
+    assert [(o.request.request_id, o.finish_reason) for o in ended] == [("long", "length")]
+    assert s.blocks.num_blocks == 8 and s.max_model_len == 32 and "long" not in s.requests
+    plan, _ = _run(s)
+    assert [c.request.request_id for c in plan.chunks] == ["short"]
