@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor.errors import ConfigError, ConveyorError, ResourceExhausted, Unauthenticated
 
@@ -34,6 +36,8 @@ class _Malformed:
 def _status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ConveyorError):
         return getattr(grpc.StatusCode, exc.code), str(exc)
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):  # restarting: the caller may retry
+        return grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}"
     log.exception("unhandled error in %s", method)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 

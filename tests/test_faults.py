@@ -272,3 +272,28 @@ def test_worker_restarted_with_a_smaller_cache_is_adopted(stack, reference):
     after = stats()
     assert blocks < old_blocks
     assert after.num_blocks == blocks and after.free_blocks == blocks  # adopted, and all given back
+
+
+def test_a_cancel_while_the_scheduler_is_down_still_aborts_the_request(stack):
+    """The frontend keeps retrying the abort, so the restarted scheduler drops the request at once (not
+    after the detokenizer's orphan timeout of 30 s)."""
+    import redis as redis_py
+
+    from conveyor.state import RequestStore
+
+    store = RequestStore(redis_py.Redis.from_url(stack.redis_url))
+    with Client(stack.endpoint, timeout=120) as client:
+        stream = client.stream(messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0, max_tokens=2000,
+                               ignore_eos=True, request_id="cancelled-while-down")
+        next(iter(stream))  # running
+        _kill(stack, "scheduler", {})
+        stream.cancel()
+        killed = time.monotonic()
+        while True:
+            record = store.get("cancelled-while-down")
+            if record.status == "finished":
+                break
+            assert time.monotonic() - killed < 25, "not aborted before the orphan timeout"
+            time.sleep(0.2)
+    assert record.finish_reason == "abort" and len(record.output_ids) < 2000
+    _wait_all_serving(stack)

@@ -179,8 +179,19 @@ class Frontend:
         if stream is not None and not stream.finished:
             try:
                 self.abort_at_scheduler(request_id)
-            except ConveyorError as exc:
-                log.warning("abort of %s failed: %s", request_id, exc)
+            except ConveyorError as exc:  # the scheduler is restarting: keep trying for a while
+                log.warning("abort of %s failed (%s); retrying", request_id, exc)
+                threading.Thread(target=self._abort_later, args=(request_id,), daemon=True).start()
+
+    def _abort_later(self, request_id: str, give_up_after: float = 60.0) -> None:
+        deadline, delay = time.monotonic() + give_up_after, 0.2
+        while time.monotonic() < deadline:
+            time.sleep(delay)
+            try:
+                self.abort_at_scheduler(request_id)
+                return
+            except ConveyorError:
+                delay = min(delay * 2, 2.0)
 
     def abort(self, request_id: str, owner: str = "") -> bool:
         """The public Abort: the stream (here or on another frontend) ends with finish_reason abort.
