@@ -279,7 +279,7 @@ class Engine:
         while True:
             try:
                 lost = writer.execute()
-                if self.redis_up is False:
+                if not self.redis_up:
                     log.info("Redis is back after %d attempts", attempt)
                     self._set_health(redis_up=True)
                 if not lost:
@@ -291,7 +291,7 @@ class Engine:
                 if attempt % 20 == 0:
                     log.warning("Redis write failed (%s); retrying", exc)
                 self._set_health(redis_up=False)
-                time.sleep(min(0.05 * 2**attempt, 1.0))
+                time.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0))
                 attempt += 1
             now = time.time()
             writer = self.store.writer()  # retry by rewriting the step's records whole: idempotent
