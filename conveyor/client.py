@@ -180,6 +180,10 @@ def _credentials(tls: bool, ca_cert: str | None, client_cert: str | None, client
     return grpc.ssl_channel_credentials(read(ca_cert), read(client_key), read(client_cert))
 
 
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 def _channel(target: str, tls: bool, ca_cert, client_cert, client_key, aio: bool = False):
     module = grpc.aio if aio else grpc
     credentials = _credentials(tls, ca_cert, client_cert, client_key)
@@ -196,7 +200,7 @@ class Client:
         self.channel = channel or _channel(target, tls, ca_cert, client_cert, client_key)
         self.stub = conveyor_pb2_grpc.ConveyorStub(self.channel)
         self.timeout = timeout
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self.metadata = _auth_metadata(api_key)
 
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                timeout: float | None = None, **options) -> Stream:
@@ -280,7 +284,7 @@ class AsyncClient:
         self.channel = _channel(target, tls, ca_cert, client_cert, client_key, aio=True)
         self.stub = conveyor_pb2_grpc.ConveyorStub(self.channel)
         self.timeout = timeout
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self.metadata = _auth_metadata(api_key)
 
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                timeout: float | None = None, **options) -> AsyncStream:

@@ -251,11 +251,11 @@ def internal_channel(address: str) -> grpc.Channel:
 def bind_internal(server: grpc.Server, host: str, port: int) -> int:
     """``bind`` for an internal service: with ``CONVEYOR_INTERNAL_TLS_DIR``, only peers holding a
     certificate from its CA get in (mutual TLS)."""
-    tls = _internal_tls()
+    folder = os.environ.get(INTERNAL_TLS_ENV)
     credentials = None
-    if tls is not None:
-        ca, cert, key = tls
-        credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    if folder:
+        credentials = server_credentials(str(Path(folder, "cert.pem")), str(Path(folder, "key.pem")),
+                                         str(Path(folder, "ca.pem")), source=f"{INTERNAL_TLS_ENV}={folder}")
     return bind(server, host, port, credentials)
 
 
@@ -301,13 +301,15 @@ def set_serving(health_servicer: health.HealthServicer, service_names: list[str]
         metrics.get("conveyor_process_up").set(1 if serving else 0)
 
 
-def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
-    """TLS from PEM files; with ``client_ca``, clients must present a certificate it signed (mutual TLS)."""
+def server_credentials(cert: str, key: str, client_ca: str = "",
+                       source: str = "--tls-cert / --tls-key / --tls-client-ca") -> grpc.ServerCredentials:
+    """TLS from PEM files; with ``client_ca``, clients must present a certificate it signed (mutual TLS).
+    ``source``: where the paths came from, for the error when one cannot be read."""
     try:
         pair = (Path(key).read_bytes(), Path(cert).read_bytes())
         ca = Path(client_ca).read_bytes() if client_ca else None
     except OSError as exc:
-        raise ConfigError(f"--tls-cert / --tls-key / --tls-client-ca: {exc}") from exc
+        raise ConfigError(f"{source}: {exc}") from exc
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 

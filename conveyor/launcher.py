@@ -96,7 +96,6 @@ class Child:
     restarts: list[float] = field(default_factory=list)  # monotonic times of recent restarts
     due: float | None = None  # when a dead child is to be started again
 
-
     def spawn(self) -> subprocess.Popen:
         return _popen(self.argv, self.env, quiet=self.name == "redis")
 
@@ -138,9 +137,6 @@ class Stack:
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()
-
-    def dead(self) -> Child | None:
-        return next((c for c in self.children if c.process.poll() is not None), None)
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)

@@ -126,8 +126,7 @@ class DetokenizerCore:
         if record is None:
             log.warning("tokens for %s, which Redis does not know; dropped", entry.request_id)
             return None
-        self._new_stream(record, record.frontend)
-        stream = self.streams[entry.request_id]
+        stream = self._new_stream(record, record.frontend)
         if entry.first_index > 0:  # tokens from before a restart (or a lost batch): replay them first
             earlier = record.output_ids[: entry.first_index]
             entry.token_ids = earlier + entry.token_ids[max(0, len(earlier) - entry.first_index):]

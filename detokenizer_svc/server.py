@@ -151,24 +151,28 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         return detokenizer_pb2.ReplayResponse(deltas=[delta_to_pb(d) for d in deltas])
 
     def _deliver(self, frontend: str, deltas: list[Delta]) -> None:
-        try:
-            if self.channels.is_down(frontend):
-                raise ConnectionError("failed less than a second ago")
-            reply = self.channels.frontend(frontend).Deliver(
-                frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]), timeout=5
-            )
-        except (grpc.RpcError, ConnectionError) as exc:  # the frontend is gone (its clients may resume elsewhere)
-            if isinstance(exc, grpc.RpcError):
-                self.channels.failed(frontend)
-                log.warning("frontend %s unreachable (%s) for %d requests", frontend, exc.code(), len(deltas))
+        gone = self._send(frontend, deltas)
+        if gone is None:  # the frontend is gone (its clients may resume elsewhere)
             gone = {d.request_id for d in deltas if d.finish_reason is None}
-        else:
-            gone = set(reply.unknown_request_ids)
         self.orphans.found({d.request_id for d in deltas} - gone)
         for request_id in self.orphans.lost(gone):  # nobody listened for too long: stop generating
             self.metrics.orphan_aborts.inc()
             self.core.forget(request_id)
             self._abort(request_id)
+
+    def _send(self, frontend: str, deltas: list[Delta]) -> set[str] | None:
+        """The ids the frontend holds no stream for, or None when it cannot be reached (now or just before)."""
+        if self.channels.is_down(frontend):
+            return None
+        try:
+            reply = self.channels.frontend(frontend).Deliver(
+                frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]), timeout=5
+            )
+        except grpc.RpcError as exc:
+            self.channels.failed(frontend)
+            log.warning("frontend %s unreachable (%s) for %d requests", frontend, exc.code(), len(deltas))
+            return None
+        return set(reply.unknown_request_ids)
 
     def _abort(self, request_id: str) -> None:
         try:

@@ -141,21 +141,11 @@ class Frontend:
     def _submit(self, request_id: str, timeout: float) -> None:
         """Submit, retrying while the scheduler is unavailable (it may be restarting: a restarted
         scheduler also finds the request in Redis). A refusal removes the record again."""
-        deadline = time.monotonic() + timeout
-        delay = 0.05
-        while True:
-            try:
-                self.submit(request_id)
-                return
-            except Unavailable:
-                if time.monotonic() > deadline:
-                    self.store.discard(request_id)
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except ConveyorError:
-                self.store.discard(request_id)
-                raise
+        try:
+            _retry(lambda: self.submit(request_id), Unavailable, timeout)
+        except ConveyorError:
+            self.store.discard(request_id)
+            raise
 
     def deliver(self, deltas: list[Delta]) -> list[str]:
         """Hand deltas to their streams; returns ids this frontend holds no stream for."""
@@ -184,14 +174,11 @@ class Frontend:
                 threading.Thread(target=self._abort_later, args=(request_id,), daemon=True).start()
 
     def _abort_later(self, request_id: str, give_up_after: float = 60.0) -> None:
-        deadline, delay = time.monotonic() + give_up_after, 0.2
-        while time.monotonic() < deadline:
-            time.sleep(delay)
-            try:
-                self.abort_at_scheduler(request_id)
-                return
-            except ConveyorError:
-                delay = min(delay * 2, 2.0)
+        time.sleep(0.2)
+        try:
+            _retry(lambda: self.abort_at_scheduler(request_id), ConveyorError, give_up_after, 0.4, 2.0)
+        except ConveyorError as exc:
+            log.warning("gave up aborting %s: %s", request_id, exc)
 
     def abort(self, request_id: str, owner: str = "") -> bool:
         """The public Abort: the stream (here or on another frontend) ends with finish_reason abort.
@@ -254,15 +241,23 @@ class Frontend:
             return self.streams.pop(request_id, None)
 
 
-def _with_redis(call, what: str, timeout: float = 10.0):
-    """``call()``, retried while Redis is unreachable (it may be restarting); then UNAVAILABLE."""
+def _retry(call, retry_on, timeout: float, delay: float = 0.05, max_delay: float = 1.0):
+    """``call()``, again after a doubling delay while it raises ``retry_on``; once ``timeout`` seconds
+    have passed, the last error propagates."""
     deadline = time.monotonic() + timeout
-    delay = 0.05
     while True:
         try:
             return call()
-        except RedisError as exc:
+        except retry_on:
             if time.monotonic() > deadline:
-                raise Unavailable(f"Redis is unreachable ({what}): {exc}") from exc
+                raise
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, max_delay)
+
+
+def _with_redis(call, what: str, timeout: float = 10.0):
+    """``call()``, retried while Redis is unreachable (it may be restarting); then UNAVAILABLE."""
+    try:
+        return _retry(call, RedisError, timeout)
+    except RedisError as exc:
+        raise Unavailable(f"Redis is unreachable ({what}): {exc}") from exc
