@@ -51,6 +51,24 @@ FREE_METRICS_FLAGS = [a for name in ("frontend", "scheduler", "worker", "detoken
                       for a in (f"--{name}-metrics-port", "0")]
 
 
+def start_stack(data_dir, **overrides) -> launcher.Stack:
+    """``conveyor up``'s stack on free ports (metrics included), quiet logs; ``overrides``: UpConfig fields."""
+    settings = dict(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
+                    data_dir=str(data_dir), log_level="WARNING", **FREE_METRICS_PORTS)
+    return launcher.start(launcher.UpConfig(**(settings | overrides)))
+
+
+def extra_frontend(stack: launcher.Stack, *flags: str) -> tuple[subprocess.Popen, str]:
+    """Another frontend on ``stack`` (its scheduler, detokenizer and Redis), SERVING; returns it and its
+    public address. The caller stops it."""
+    port, internal = free_port(), free_port()
+    proc = spawn("serve", "frontend", "--port", str(port), "--internal-port", str(internal),
+                 "--scheduler", stack.child("scheduler").health, "--detokenizer", stack.child("detokenizer").health,
+                 "--redis-url", stack.redis_url, "--log-level", "WARNING", *flags)
+    wait_serving(f"127.0.0.1:{internal}", "conveyor.v1.Frontend", proc)
+    return proc, f"127.0.0.1:{port}"
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()

@@ -21,11 +21,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import FREE_METRICS_PORTS, free_port, spawn, stop, wait_serving
+from helpers import extra_frontend, start_stack, stop, wait_serving
 
 from conveyor.client import Client
 from conveyor.errors import ConveyorError
-from conveyor.launcher import UpConfig, start
 
 TOPICS = ["the sea", "a mountain", "coffee", "a robot", "the moon", "a library", "rain", "a train"]
 ASKS = ["Write one sentence about {}.", "Describe {} briefly.", "Tell me a fact about {}.", "Give a title for a story about {}."]
@@ -47,10 +46,7 @@ class Received:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                   **FREE_METRICS_PORTS, kv_cache_bytes=256 << 20, log_level="WARNING",
-                   data_dir=str(tmp_path_factory.mktemp("faults")))
-    s = start(cfg)
+    s = start_stack(tmp_path_factory.mktemp("faults"), kv_cache_bytes=256 << 20)
     supervisor = s.supervise(max_restarts=5)
     yield s
     supervisor.set()
@@ -217,14 +213,9 @@ def test_redis_killed_and_restarted_from_its_append_only_file(stack, reference):
 
 
 def test_frontend_killed_clients_resume_on_another_frontend(stack, reference):
-    scheduler, detokenizer = stack.child("scheduler").health, stack.child("detokenizer").health
-    port, internal = free_port(), free_port()
-    second = spawn("serve", "frontend", "--port", str(port), "--internal-port", str(internal), "--scheduler", scheduler,
-                   "--detokenizer", detokenizer, "--redis-url", stack.redis_url, "--log-level", "WARNING")
+    second, address = extra_frontend(stack)
     try:
-        wait_serving(f"127.0.0.1:{port}", "conveyor.v1.Conveyor", second)
-        results = run_load(stack.endpoint, "frontend", lambda: _kill(stack, "frontend", {}),
-                           resume_at=f"127.0.0.1:{port}")
+        results = run_load(stack.endpoint, "frontend", lambda: _kill(stack, "frontend", {}), resume_at=address)
         check("frontend", results, reference)
         assert any(r.resumed for r in results)
     finally:

@@ -13,13 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import FREE_METRICS_PORTS, free_port
+from helpers import start_stack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor.client import Client
 from conveyor.errors import ResourceExhausted
-from conveyor.launcher import UpConfig, start
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc
 
 MAX_WAITING = 4
@@ -31,10 +30,8 @@ OUTCOMES: Counter = Counter()
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                   **FREE_METRICS_PORTS, kv_cache_bytes=128 << 20, log_level="ERROR", max_waiting=MAX_WAITING,
-                   max_num_seqs=4, data_dir=str(tmp_path_factory.mktemp("hostile")))
-    s = start(cfg)
+    s = start_stack(tmp_path_factory.mktemp("hostile"), kv_cache_bytes=128 << 20, log_level="ERROR",
+                    max_waiting=MAX_WAITING, max_num_seqs=4)
     yield s
     s.stop()
 

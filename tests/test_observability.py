@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import FREE_METRICS_PORTS, ROOT, free_port
+from helpers import ROOT, free_port, start_stack
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor import metrics as metric_specs
 from conveyor.client import Client
 from conveyor.errors import InvalidArgument
-from conveyor.launcher import UpConfig, start
 
 SERVICES = ("frontend", "scheduler", "worker", "detokenizer")
 PROMPTS = ["Name a color.", "What is 3 + 4?", "Say hi in French.", "Name a planet.", "Give me a word."]
@@ -43,10 +42,7 @@ def value(samples: dict, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                   **FREE_METRICS_PORTS, kv_cache_bytes=128 << 20, log_level="WARNING",
-                   data_dir=str(tmp_path_factory.mktemp("obs")))
-    s = start(cfg)
+    s = start_stack(tmp_path_factory.mktemp("obs"), kv_cache_bytes=128 << 20)
     yield s
     s.stop()
 

@@ -9,11 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import TinyScheduler, make_runner
+from helpers import TinyScheduler, make_runner, start_stack
 
 from conveyor.client import AsyncClient, Client
 from conveyor.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, ResourceExhausted
-from conveyor.launcher import UpConfig, start
 from conveyor.state import RequestStore
 from conveyor.v1 import conveyor_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -31,11 +30,7 @@ MAX_TOKENS = 40
 
 
 def _up(tmp_path_factory, name: str, **overrides):
-    from helpers import FREE_METRICS_PORTS, free_port
-
-    cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                   data_dir=str(tmp_path_factory.mktemp(name)), log_level="WARNING", **FREE_METRICS_PORTS, **overrides)
-    return start(cfg)
+    return start_stack(tmp_path_factory.mktemp(name), **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,10 @@ import time
 import grpc
 import pytest
 import redis
-from helpers import FREE_METRICS_PORTS, free_port, spawn, stop, wait_serving
+from helpers import extra_frontend, start_stack, stop
 
 from conveyor.client import Client
 from conveyor.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
-from conveyor.launcher import UpConfig, start
 from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-9876543210ab"}
@@ -44,10 +43,7 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                   **FREE_METRICS_PORTS, kv_cache_bytes=128 << 20, log_level="WARNING",
-                   data_dir=str(tmp_path_factory.mktemp("security")))
-    s = start(cfg)
+    s = start_stack(tmp_path_factory.mktemp("security"), kv_cache_bytes=128 << 20)
     yield s
     s.stop()
 
@@ -58,16 +54,11 @@ def guarded(stack, certs, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("# name:key\n" + "".join(f"{n}:{k}\n" for n, k in KEYS.items()))
     keys.chmod(0o600)
-    internal = free_port()
-    port = free_port()
-    proc = spawn("serve", "frontend", "--port", str(port), "--internal-port", str(internal),
-                 "--scheduler", stack.child("scheduler").health, "--detokenizer", stack.child("detokenizer").health,
-                 "--redis-url", stack.redis_url, "--log-level", "WARNING", "--api-keys-file", str(keys),
-                 "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
-                 "--max-streams-per-key", "2", "--max-prompt-tokens", "64", "--max-message-bytes", "64K",
-                 "--max-stop-strings", "4", "--request-timeout", "3")
-    wait_serving(f"127.0.0.1:{internal}", "conveyor.v1.Frontend", proc)
-    yield f"127.0.0.1:{port}"
+    proc, address = extra_frontend(stack, "--api-keys-file", str(keys), "--tls-cert", str(certs / "server.pem"),
+                                   "--tls-key", str(certs / "server.key"), "--max-streams-per-key", "2",
+                                   "--max-prompt-tokens", "64", "--max-message-bytes", "64K", "--max-stop-strings",
+                                   "4", "--request-timeout", "3")
+    yield address
     stop(proc)
 
 
@@ -142,14 +133,9 @@ def test_each_limit_gets_its_status_and_a_message_naming_it(guarded, certs):
 
 
 def test_mutual_tls_requires_a_client_certificate(stack, certs):
-    internal, port = free_port(), free_port()
-    proc = spawn("serve", "frontend", "--port", str(port), "--internal-port", str(internal),
-                 "--scheduler", stack.child("scheduler").health, "--detokenizer", stack.child("detokenizer").health,
-                 "--redis-url", stack.redis_url, "--log-level", "WARNING", "--tls-cert", str(certs / "server.pem"),
-                 "--tls-key", str(certs / "server.key"), "--tls-client-ca", str(certs / "ca.pem"))
+    proc, target = extra_frontend(stack, "--tls-cert", str(certs / "server.pem"), "--tls-key",
+                                  str(certs / "server.key"), "--tls-client-ca", str(certs / "ca.pem"))
     try:
-        wait_serving(f"127.0.0.1:{internal}", "conveyor.v1.Frontend", proc)
-        target = f"127.0.0.1:{port}"
         with client(target, certs, None) as anonymous, pytest.raises(Unavailable):
             anonymous.generate("Hello", max_tokens=2)
         with client(target, certs, None, client_cert=str(certs / "client.pem"),
@@ -179,9 +165,7 @@ def test_internal_services_with_mutual_tls_refuse_peers_without_a_certificate(ce
              "-out", str(folder / "cert.pem"), "-days", "2", "-extfile", "internal.cnf", cwd=certs)
     (folder / "ca.pem").write_bytes((certs / "ca.pem").read_bytes())
     monkeypatch.setenv("CONVEYOR_INTERNAL_TLS_DIR", str(folder))  # every service (and the launcher) reads it
-    cfg = UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                   **FREE_METRICS_PORTS, kv_cache_bytes=64 << 20, log_level="WARNING", data_dir=str(tmp_path / "r"))
-    s = start(cfg)
+    s = start_stack(tmp_path / "r", kv_cache_bytes=64 << 20)
     try:
         with Client(s.endpoint, timeout=120) as c:  # the public API is unchanged
             assert c.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
