@@ -34,7 +34,7 @@ WORDS = ("the cat dog sun sea sky red blue tree book road home time day way man 
 @dataclass
 class BenchConfig:
     target: str = setting("127.0.0.1:50051", "the frontend's address")
-    api_key: str = setting("", "API key of the server (prefer the environment variable)")
+    api_key: str = setting("", "API key of the server (prefer the environment variable)", secret=True)
     ca_cert: str = setting("", "PEM CA that signed the server's certificate (TLS)")
     concurrency: list[int] = setting(None, "fixed-concurrency levels to sweep (default: 1 8 32 unless --rate)", nargs="+")
     rate: list[float] = setting(None, "Poisson arrival rates to sweep, in requests/s (instead of --concurrency)",

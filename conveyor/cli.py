@@ -104,6 +104,14 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _credentials(args: argparse.Namespace) -> int:
+    from conveyor.credentials import make_credentials
+
+    written = make_credentials(args.folder, args.redis_host, args.redis_uid)
+    print(f"{args.folder}: made {', '.join(written)}" if written else f"{args.folder}: everything was there")
+    return 0
+
+
 def _client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50051", help="the frontend's address (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each call, in seconds")
@@ -143,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="a serving benchmark against a running stack (sweeps, JSON, plot)")
     add_arguments(bench, BenchConfig, BENCH_ENV)
     bench.set_defaults(run=_bench)
+    creds = commands.add_parser("credentials", help="make internal TLS certificates and a Redis password in a "
+                                "folder, keeping what is there (the compose stack's first start runs it)")
+    creds.add_argument("folder")
+    creds.add_argument("--redis-host", default="redis", help="Redis host in the redis_url file (default: %(default)s)")
+    creds.add_argument("--redis-uid", type=int, default=None, help="owner of redis.conf (the user Redis runs as)")
+    creds.set_defaults(run=_credentials)
     chat = commands.add_parser("chat", help="chat with a running stack (reads lines from stdin)")
     chat.add_argument("--system", default="", help="a system message")
     _client_flags(chat)

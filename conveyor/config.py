@@ -33,8 +33,28 @@ def flag(name: str) -> str:
 
 
 def setting(default, help: str, **extra):  # noqa: A002 - mirrors argparse's keyword
-    """A dataclass field with a help text (and argparse extras such as ``choices``)."""
+    """A dataclass field with a help text (and argparse extras such as ``choices``).
+
+    ``secret=True`` marks a value that may carry a credential (API keys, a Redis URL with a password):
+    ``--help`` and error messages then say whether it is set, never what it is."""
     return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+def redact(url: str) -> str:
+    """A URL without its credentials (``redis://***@host:6379/0``), for logs and ``--help``."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}" if "@" in rest else url
+
+
+def _shown(value, secret: bool, from_env: bool) -> str:
+    """The ``--help`` text of a default: a secret's value is never printed."""
+    if value is None or value == "":
+        return ""
+    if secret and from_env:
+        return "; set from the environment (value hidden)"
+    if secret:
+        return "; default: " + redact(str(value)).replace("%", "%%")
+    return "; default: %(default)s"
 
 
 def _base_type(annotation):
@@ -52,10 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls, env_prefix: str) -> None
     for field in dataclasses.fields(cls):
         kind = _base_type(hints[field.name])
         env = f"{env_prefix}{field.name.upper()}"
-        default = os.environ.get(env, field.default)
+        from_env = _from_environment(env)
+        default = field.default if from_env is None else from_env
         meta = dict(field.metadata)
-        shown = "" if default is None else "; default: %(default)s"
-        help_text = f"{meta.pop('help', '')} (env {env}{shown})"
+        secret = meta.pop("secret", False)
+        help_text = f"{meta.pop('help', '')} (env {env} or {env}_FILE{_shown(default, secret, from_env is not None)})"
         convert = meta.pop("parse", None) or kind
         if kind is bool:
             if isinstance(default, str):
@@ -63,14 +84,29 @@ def add_arguments(parser: argparse.ArgumentParser, cls, env_prefix: str) -> None
             parser.add_argument(flag(field.name), action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         if isinstance(default, str) and convert is not str:
-            default = _convert(convert, default, env)
+            default = _convert(convert, default, env, secret)
         parser.add_argument(flag(field.name), type=convert, default=default, help=help_text, **meta)
 
 
-def _convert(convert, text: str, env: str):
+def _from_environment(env: str) -> str | None:
+    """The value of ``env``, or the contents of the file ``{env}_FILE`` names (trailing newline dropped)."""
+    if env in os.environ:
+        return os.environ[env]
+    path = os.environ.get(f"{env}_FILE")
+    if not path:
+        return None
+    try:
+        return open(path, encoding="utf-8").read().rstrip("\n")
+    except OSError as exc:
+        raise ConfigError(f"environment variable {env}_FILE={path}: {exc.strerror}") from exc
+
+
+def _convert(convert, text: str, env: str, secret: bool = False):
     try:
         return convert(text)
     except ValueError as exc:
+        if secret:
+            raise ConfigError(f"environment variable {env} is not valid") from None
         raise ConfigError(f"environment variable {env}={text!r}: {exc}") from exc
 
 

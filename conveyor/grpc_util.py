@@ -259,11 +259,25 @@ def bind_internal(server: grpc.Server, host: str, port: int) -> int:
     return bind(server, host, port, credentials)
 
 
+# Keepalive of the public server: it pings each client connection every 20 s and closes one that does not
+# answer within 10 s, so a half-open connection (a client host that vanished) ends its streams, and
+# their requests are aborted, in half a minute instead of at TCP's hours-long timeout. Clients may
+# ping too, but not more often than every 10 s.
+PUBLIC_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
 def make_server(max_workers: int = 8, metrics=None, interceptors=(), max_message_bytes: int = MAX_MESSAGE_BYTES,
-                max_concurrent_rpcs: int | None = None) -> grpc.Server:
+                max_concurrent_rpcs: int | None = None, options=()) -> grpc.Server:
     """A gRPC server with the error-mapping interceptor (then ``interceptors``); errors are counted in
     ``metrics`` when given. A request larger than ``max_message_bytes`` gets RESOURCE_EXHAUSTED from gRPC;
-    beyond ``max_concurrent_rpcs`` calls at once, new ones get RESOURCE_EXHAUSTED instead of queueing."""
+    beyond ``max_concurrent_rpcs`` calls at once, new ones get RESOURCE_EXHAUSTED instead of queueing.
+    ``options``: more channel arguments (``PUBLIC_KEEPALIVE`` for the public API)."""
     on_error = None
     if metrics is not None:
         errors = metrics.get("conveyor_grpc_errors_total")
@@ -275,6 +289,7 @@ def make_server(max_workers: int = 8, metrics=None, interceptors=(), max_message
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            *options,
         ],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )

@@ -1,6 +1,8 @@
-"""``python -m conveyor.healthcheck HOST:PORT [SERVICE]``: exit 0 when the service reports SERVING.
+"""``python -m conveyor.healthcheck HOST:PORT [SERVICE] [--public]``: exit 0 when the service reports SERVING.
 
-Used as the docker-compose health check of every service (no grpc_health_probe binary needed).
+Used as the docker-compose health check of every service (no grpc_health_probe binary needed). Internal
+services are reached as their peers reach them (mutual TLS with ``CONVEYOR_INTERNAL_TLS_DIR``);
+``--public``: the frontend's public port, plain gRPC.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conveyor import grpc_util
 
 
-def check(address: str, service: str = "", timeout: float = 3.0) -> bool:
-    with grpc_util.internal_channel(address) as channel:
+def check(address: str, service: str = "", timeout: float = 3.0, public: bool = False) -> bool:
+    with grpc.insecure_channel(address) if public else grpc_util.internal_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=timeout)
@@ -24,7 +26,8 @@ def check(address: str, service: str = "", timeout: float = 3.0) -> bool:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
+    args = [a for a in sys.argv[1:] if a != "--public"]
+    if len(args) not in (1, 2):
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    sys.exit(0 if check(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else "") else 1)
+    sys.exit(0 if check(args[0], args[1] if len(args) == 2 else "", public="--public" in sys.argv) else 1)

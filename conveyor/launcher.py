@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor import grpc_util
-from conveyor.config import parse_size, require, setting
+from conveyor.config import parse_size, redact, require, setting
 from conveyor.errors import ConfigError
 
 log = logging.getLogger("conveyor.up")
@@ -43,7 +43,7 @@ class UpConfig:
     model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a .gguf file, or a Hugging Face folder")
     host: str = setting("127.0.0.1", "address of the public API (0.0.0.0 to accept other machines)")
     port: int = setting(50051, "port of the public API")
-    redis_url: str = setting("", "use this Redis instead of starting a private redis-server")
+    redis_url: str = setting("", "use this Redis instead of starting a private redis-server", secret=True)
     data_dir: str = setting("", "folder of the private Redis's append-only file (default: a temporary folder)")
     worker_port: int = setting(50053, "worker port (0: any free port)")
     scheduler_port: int = setting(50052, "scheduler port (0: any free port)")
@@ -110,12 +110,6 @@ def _popen(argv: list[str], env: dict[str, str] | None = None, quiet: bool = Fal
     if _SETPRIV:
         argv = [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL if quiet else None)
-
-
-def redact(url: str) -> str:
-    """A Redis URL without its password, for logs."""
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}***@{rest.split('@', 1)[1]}" if "@" in rest else url
 
 
 @dataclass

@@ -1,22 +1,35 @@
 """Every request's state in Redis: the durable record any process rebuilds from after a restart.
 
+Identity: a client names its request (``request_id``, or the frontend makes one), but names are
+the client's: two API keys may use the same name, and a name may come back after its record expired.
+Every request therefore gets its own **key** (32 hex digits, new for every request) when it is
+created; every process and every Redis key below uses that key, so no name a client chooses can
+collide with another request's keys or with the layout itself (a name ``x:out`` is just a string).
+The client's name finds the key through an alias that is unique per API key.
+
 Layout (all keys under one prefix, ``--redis-prefix``, default ``conveyor``):
 
-``{prefix}:req:{id}`` hash
-    ``request_id``, ``status`` (``waiting`` | ``running`` | ``finished``), ``prompt_ids`` (JSON list),
-    ``params`` (``RequestParams`` as JSON: sampling and stop conditions), ``frontend`` (address of the
-    frontend holding the client stream), ``arrival`` / ``first_token`` / ``finish`` (Unix seconds),
-    ``num_output`` (output tokens so far), ``finish_reason`` (``stop`` | ``length`` | ``abort``),
-    ``stopped_by_token`` (``1`` when an eos / stop token ended it: that token has no text), ``owner``
-    (the API key name that created it; only that key may abort or resume it).
-``{prefix}:req:{id}:out`` list
+``{prefix}:req:{key}`` hash
+    ``request_id`` (the key), ``client_id`` (the client's name), ``owner`` (the API key name that
+    created it; only that key may see, abort or resume it), ``status`` (``waiting`` | ``running`` |
+    ``finished``), ``prompt_ids`` (JSON list), ``params`` (``RequestParams`` as JSON: sampling and stop
+    conditions), ``frontend`` (address of the frontend holding the client stream), ``arrival`` /
+    ``first_token`` / ``finish`` (Unix seconds), ``num_output`` (output tokens so far), ``finish_reason``
+    (``stop`` | ``length`` | ``abort`` | ``error``), ``error`` (with ``error``: what failed),
+    ``stopped_by_token`` (``1`` when an eos / stop token ended it: that token has no text).
+``{prefix}:req:{key}:out`` list
     The output token ids, appended once per step (position in the list = index in the output).
+``{prefix}:alias:{owner as hex}:{client_id}`` string
+    The key of the request that ``owner`` named ``client_id`` (the owner is hex-encoded, so the first
+    ``:`` after it ends it). Created atomically with the hash, only if free: names are unique per API
+    key while the record lives; it expires with the record.
 ``{prefix}:inflight`` sorted set
-    Ids not finished, scored by arrival time: a restarted scheduler requeues them in this order.
+    Keys of requests not finished, scored by arrival time: a restarted scheduler requeues them in order.
 
-Who writes what: the frontend creates the hash and adds the id to ``inflight``; the scheduler writes
-every later change, one pipeline (one round trip) per engine step. Once finished, both keys expire
-after ``finished_ttl`` seconds and the id leaves ``inflight``.
+Who writes what: the frontend creates the alias and the hash and adds the key to ``inflight`` (one
+script, atomic); the scheduler writes every later change, one pipeline (one round trip) per engine
+step. Once finished, the three keys expire after ``finished_ttl`` seconds and the key leaves
+``inflight``.
 
 Self-healing: Redis may restart and lose its last second of writes (AOF ``everysec``), and a pipeline
 that failed half way may be retried. Every write of a step therefore says what it expects to find
@@ -29,16 +42,29 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor.params import RequestParams
 
 
+# Redis could not be reached (it may be restarting): retry. Any other RedisError concerns one command,
+# so one request: it is that request's error, never a sign that Redis is down.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+def new_request_key() -> str:
+    """A request's own key: new for every request, whatever name the client gave it."""
+    return uuid.uuid4().hex
+
+
 @dataclass
 class RequestRecord:
-    request_id: str
+    request_id: str  # the request's key (``new_request_key``)
     prompt_ids: list[int]
     params: RequestParams
     frontend: str = ""
@@ -51,16 +77,21 @@ class RequestRecord:
     stopped_by_token: bool = False
     owner: str = ""
     output_ids: list[int] = field(default_factory=list)  # from the :out list, not the hash
+    client_id: str = ""  # the client's name for it ("" : the key itself)
+    error: str | None = None  # with finish_reason "error"
+
+    def __post_init__(self):
+        self.client_id = self.client_id or self.request_id
 
     def to_hash(self) -> dict[str, str]:
         fields = {
             "request_id": self.request_id, "status": self.status, "prompt_ids": json.dumps(self.prompt_ids),
             "params": self.params.to_json(), "frontend": self.frontend, "arrival": repr(self.arrival),
-            "num_output": str(self.num_output), "owner": self.owner,
+            "num_output": str(self.num_output), "owner": self.owner, "client_id": self.client_id,
         }
         if self.stopped_by_token:
             fields["stopped_by_token"] = "1"
-        for name in ("first_token", "finish", "finish_reason"):
+        for name in ("first_token", "finish", "finish_reason", "error"):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = repr(value) if isinstance(value, float) else value
@@ -77,6 +108,7 @@ class RequestRecord:
             arrival=float(raw["arrival"]), status=raw["status"], num_output=int(raw.get("num_output", 0)),
             first_token=number("first_token"), finish=number("finish"), finish_reason=raw.get("finish_reason"),
             stopped_by_token=raw.get("stopped_by_token") == "1", owner=raw.get("owner", ""), output_ids=output_ids,
+            client_id=raw.get("client_id", ""), error=raw.get("error"),
         )
 
 
@@ -99,27 +131,36 @@ class RequestStore:
     def out_key(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}:out"
 
+    def alias_key(self, owner: str, client_id: str) -> str:
+        return f"{self.prefix}:alias:{owner.encode().hex()}:{client_id}"
+
     @property
     def inflight_key(self) -> str:
         return f"{self.prefix}:inflight"
 
     def create(self, record: RequestRecord) -> bool:
-        """Record a new request; False (and nothing written) when the id is already taken."""
-        key = self.key(record.request_id)
-        if not self.redis.hsetnx(key, "request_id", record.request_id):
-            return False
-        pipe = self.redis.pipeline()
-        pipe.hset(key, mapping=record.to_hash())
-        pipe.zadd(self.inflight_key, {record.request_id: record.arrival})
-        pipe.execute()
-        return True
+        """Record a new request; False (and nothing written) when its owner already uses its client id."""
+        fields = [item for pair in record.to_hash().items() for item in pair]
+        keys = [self.alias_key(record.owner, record.client_id), self.key(record.request_id), self.inflight_key]
+        return bool(self.redis.eval(_CREATE, len(keys), *keys, record.request_id, repr(record.arrival), *fields))
 
-    def discard(self, request_id: str) -> None:
+    def discard(self, record: RequestRecord) -> None:
         """Remove a request that was recorded but never accepted (the scheduler refused it)."""
         pipe = self.redis.pipeline()
-        pipe.delete(self.key(request_id), self.out_key(request_id))
-        pipe.zrem(self.inflight_key, request_id)
+        pipe.delete(self.key(record.request_id), self.out_key(record.request_id))
+        pipe.zrem(self.inflight_key, record.request_id)
         pipe.execute()
+        _delete_if(self.redis, self.alias_key(record.owner, record.client_id), record.request_id)
+
+    def lookup(self, owner: str, client_id: str) -> str | None:
+        """The key of the request ``owner`` named ``client_id``, while its record lives."""
+        key = self.redis.get(self.alias_key(owner, client_id))
+        return key.decode() if key is not None else None
+
+    def find(self, client_id: str, owner: str = "") -> RequestRecord | None:
+        """The record of the request ``owner`` named ``client_id`` (None: unknown, another key's, expired)."""
+        key = self.lookup(owner, client_id)
+        return self.get(key) if key is not None else None
 
     def get(self, request_id: str) -> RequestRecord | None:
         pipe = self.redis.pipeline()
@@ -153,17 +194,39 @@ class RequestStore:
         return StepWriter(self)
 
 
+# KEYS: alias, hash, inflight; ARGV: request key, arrival, then the hash's fields and values.
+_CREATE = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+return 1
+"""
+_DELETE_IF = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def _delete_if(client: redis.Redis, key: str, value: str) -> None:
+    """Delete ``key`` only while it still holds ``value`` (an alias another request took stays)."""
+    client.eval(_DELETE_IF, 1, key, value)
+
+
 class StepWriter:
     """Collects one engine step's changes and sends them in one pipeline (one round trip).
 
-    ``execute`` returns the ids whose record did not look as expected (lost in a Redis restart):
-    the caller rewrites those whole with ``restore``."""
+    ``execute`` returns the keys of requests whose record did not look as expected (lost in a Redis
+    restart) or whose commands Redis refused (an error about that record, such as WRONGTYPE): the
+    caller rewrites those whole with ``restore``. Only a Redis that cannot be reached raises."""
 
     def __init__(self, store: RequestStore):
         self.store = store
         self.pipe = store.redis.pipeline(transaction=False)
         self.count = 0
-        self._checks: list[tuple[int, str, int, bool]] = []  # (op index, request id, expected, exact)
+        self._checks: list[tuple[int, str, int, bool]] = []  # (op index, request key, expected, exact)
+        self._op_request: list[str] = []  # the request each queued op writes
+
+    def _queued(self, request_id: str) -> None:
+        """The ops queued since the last call write ``request_id``'s record."""
+        self._op_request += [request_id] * (len(self.pipe.command_stack) - len(self._op_request))
+        self.count += 1
 
     def _expect(self, request_id: str, value: int, exact: bool) -> None:
         """The result of the op just queued must equal ``value`` (``exact``) or be at most ``value``."""
@@ -172,10 +235,11 @@ class StepWriter:
     def status(self, request_id: str, status: str) -> None:
         self.pipe.hset(self.store.key(request_id), "status", status)
         self._expect(request_id, 0, exact=False)
-        self.count += 1
+        self._queued(request_id)
 
     def tokens(self, request_id: str, token_ids: list[int], num_output: int, first_token: float | None) -> None:
-        """Append new output tokens; ``first_token`` is set when these include the first."""
+        """Append new output tokens, the last at index ``num_output - 1``; ``first_token`` is set when
+        these include the first."""
         key, out = self.store.key(request_id), self.store.out_key(request_id)
         before = num_output - len(token_ids)  # a retried append must not add twice: cut back to before it
         if before:
@@ -189,46 +253,55 @@ class StepWriter:
             fields["first_token"] = repr(first_token)
         self.pipe.hset(key, mapping=fields)
         self._expect(request_id, 1 if first_token is not None else 0, exact=False)
-        self.count += 1
+        self._queued(request_id)
 
-    def finished(self, request_id: str, reason: str, num_output: int, now: float, trim: bool = False,
-                 stopped_by_token: bool = False) -> None:
-        """Mark finished (keeping the first ``num_output`` tokens when ``trim``), start the expiry."""
+    def finished(self, request_id: str, alias: str, reason: str, num_output: int, now: float, trim: bool = False,
+                 stopped_by_token: bool = False, error: str | None = None) -> None:
+        """Mark finished (keeping the first ``num_output`` tokens when ``trim``), start the expiry of the
+        record and of its ``alias`` key."""
         key, out = self.store.key(request_id), self.store.out_key(request_id)
         if trim:
             self.pipe.ltrim(out, 0, num_output - 1)
         fields = {"status": "finished", "finish_reason": reason, "finish": repr(now), "num_output": num_output}
         if stopped_by_token:
             fields["stopped_by_token"] = "1"
+        if error is not None:
+            fields["error"] = error
         self.pipe.hset(key, mapping=fields)
         self._expect(request_id, len(fields) - 2, exact=False)  # only the new fields may be created
         self.pipe.zrem(self.store.inflight_key, request_id)
-        self._expire(request_id)
-        self.count += 1
+        self._expire(request_id, alias)
+        self._queued(request_id)
 
-    def _expire(self, request_id: str) -> None:
+    def _expire(self, request_id: str, alias: str) -> None:
         ttl_ms = max(1, int(self.store.finished_ttl * 1000))
-        self.pipe.pexpire(self.store.key(request_id), ttl_ms)
-        self.pipe.pexpire(self.store.out_key(request_id), ttl_ms)
+        for key in (self.store.key(request_id), self.store.out_key(request_id), alias):
+            self.pipe.pexpire(key, ttl_ms)
 
     def restore(self, record: RequestRecord) -> None:
-        """Rewrite a whole record (hash, output list, in-flight entry) from memory; idempotent."""
+        """Rewrite a whole record (hash, output list, alias, in-flight entry) from memory; idempotent."""
         key, out = self.store.key(record.request_id), self.store.out_key(record.request_id)
+        alias = self.store.alias_key(record.owner, record.client_id)
         self.pipe.delete(key, out)
         self.pipe.hset(key, mapping=record.to_hash())
         if record.output_ids:
             self.pipe.rpush(out, *record.output_ids)
+        self.pipe.set(alias, record.request_id, nx=True)  # the name stays this request's
         if record.status == "finished":
             self.pipe.zrem(self.store.inflight_key, record.request_id)
-            self._expire(record.request_id)
+            self._expire(record.request_id, alias)
         else:
             self.pipe.zadd(self.store.inflight_key, {record.request_id: record.arrival})
-        self.count += 1
+        self._queued(record.request_id)
 
     def execute(self) -> set[str]:
-        """Send everything; returns the ids whose record was not as expected (to ``restore``)."""
+        """Send everything; returns the keys whose record was not as expected or refused (to ``restore``)."""
         if not self.count:
             return set()
-        results = self.pipe.execute()
-        return {rid for i, rid, value, exact in self._checks
-                if (results[i] != value if exact else results[i] > value)}
+        results = self.pipe.execute(raise_on_error=False)
+        for result in results:
+            if isinstance(result, REDIS_DOWN):
+                raise result
+        refused = {self._op_request[i] for i, result in enumerate(results) if isinstance(result, Exception)}
+        return refused | {rid for i, rid, value, exact in self._checks if rid not in refused
+                          and (results[i] != value if exact else results[i] > value)}

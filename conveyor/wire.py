@@ -9,6 +9,7 @@ FINISH_TO_PB = {
     "stop": conveyor_pb2.FINISH_REASON_STOP,
     "length": conveyor_pb2.FINISH_REASON_LENGTH,
     "abort": conveyor_pb2.FINISH_REASON_ABORT,
+    "error": conveyor_pb2.FINISH_REASON_ERROR,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from conveyor.errors import NotFound
 from conveyor.messages import Delta
 from conveyor.params import RequestParams
-from conveyor.state import RequestStore
+from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.tokenizer import ModelTokenizer
 from detokenizer_svc.incremental import IncrementalDetokenizer, StopMatcher
 
 log = logging.getLogger("conveyor.detokenizer")
-REMEMBER_FINISHED = 10_000  # ids of finished requests kept to ignore late tokens
+# Keys of finished requests kept to ignore late tokens. A key is never used twice (a client that reuses
+# its request id gets a new key: ``conveyor.state``), so this memory cannot swallow a new request.
+REMEMBER_FINISHED = 10_000
 
 
 @dataclass
@@ -70,7 +72,8 @@ class DetokenizerCore:
 
     def push(self, entries: list[TokenEntry]) -> tuple[dict[str, list[Delta]], list[str]]:
         """Process one step's tokens; returns deltas by frontend address, and the ids that failed
-        (Redis unreachable): their state is dropped, so a resend of the batch replays them from Redis."""
+        (Redis unreachable): their state is dropped, so a resend of the batch replays them from Redis.
+        An error about one request's record (not an outage) drops that request's tokens alone."""
         by_frontend: dict[str, list[Delta]] = {}
         failed = []
         with self.lock:
@@ -84,11 +87,15 @@ class DetokenizerCore:
                     stream = self.streams.get(entry.request_id) or self._open(entry)
                     if stream is None:
                         continue
-                    deltas = self._process(stream, entry)
-                except Exception:  # noqa: BLE001 - Redis down: forget the stream, the resend starts it over
+                    deltas = self._take(stream, entry)
+                except REDIS_DOWN:  # forget the stream: the resend starts it over from Redis
                     log.warning("tokens for %s not processed; it will be replayed", entry.request_id, exc_info=True)
                     self.streams.pop(entry.request_id, None)
                     failed.append(entry.request_id)
+                    continue
+                except Exception:  # noqa: BLE001 - this request's record is unusable; the others go on
+                    log.exception("tokens for %s dropped: its record could not be read", entry.request_id)
+                    self.streams.pop(entry.request_id, None)
                     continue
                 for delta in deltas:
                     by_frontend.setdefault(stream.frontend, []).append(delta)
@@ -96,37 +103,41 @@ class DetokenizerCore:
 
     def replay(self, request_id: str, frontend: str = "") -> tuple[str, list[Delta]]:
         """Rebuild a request's text from Redis and return (frontend, deltas) of everything so far,
-        finished or not. ``frontend``: deliver there from now on (default: the one in Redis)."""
+        finished or not. ``frontend``: deliver there from now on (default: the one in Redis).
+
+        The whole output is decoded again here, outside the lock every step's tokens need: a long
+        replay delays nobody else. Tokens pushed meanwhile reach the new stream as a gap, which
+        ``_decode`` fills from Redis (deltas carry offsets, so the frontend drops what it has)."""
         record = self.store.get(request_id)
         if record is None:
             raise NotFound(f"request {request_id!r} is not in Redis (unknown, or finished and expired)")
+        stream = self._stream(record, frontend or record.frontend)
+        finished = record.status == "finished"
+        entry = TokenEntry(request_id, 0, list(record.output_ids), record.finish_reason if finished else None,
+                           record.stopped_by_token)
+        deltas, stopped_at = self._decode(stream, entry)
         with self.lock:
-            self.streams.pop(request_id, None)
             self.finished.pop(request_id, None)
-            stream = self._new_stream(record, frontend or record.frontend)
-            finished = record.status == "finished"
-            entry = TokenEntry(request_id, 0, list(record.output_ids), record.finish_reason if finished else None,
-                               record.stopped_by_token)
-            deltas = self._process(stream, entry)
+            self.streams[request_id] = stream
+            self._settle(stream, deltas, stopped_at)
         return stream.frontend, deltas or [stream.delta()]
 
     def forget(self, request_id: str) -> None:
         with self.lock:
             self._close(request_id)
 
-    def _new_stream(self, record, frontend: str) -> Stream:
+    def _stream(self, record, frontend: str) -> Stream:
         p = record.params
-        stream = Stream(record.request_id, frontend, p, len(record.prompt_ids),
-                        IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop, p.include_stop_str_in_output))
-        self.streams[record.request_id] = stream
-        return stream
+        detok = IncrementalDetokenizer(self.tokenizer, context=record.prompt_ids)
+        return Stream(record.request_id, frontend, p, len(record.prompt_ids), detok,
+                      StopMatcher(p.stop, p.include_stop_str_in_output))
 
     def _open(self, entry: TokenEntry) -> Stream | None:
         record = self.store.get(entry.request_id)
         if record is None:
             log.warning("tokens for %s, which Redis does not know; dropped", entry.request_id)
             return None
-        stream = self._new_stream(record, record.frontend)
+        stream = self.streams[record.request_id] = self._stream(record, record.frontend)
         if entry.first_index > 0:  # tokens from before a restart (or a lost batch): replay them first
             earlier = record.output_ids[: entry.first_index]
             entry.token_ids = earlier + entry.token_ids[max(0, len(earlier) - entry.first_index):]
@@ -134,7 +145,23 @@ class DetokenizerCore:
             entry.first_index = 0
         return stream
 
-    def _process(self, stream: Stream, entry: TokenEntry) -> list[Delta]:
+    def _take(self, stream: Stream, entry: TokenEntry) -> list[Delta]:
+        """``_decode`` a registered stream's tokens, then ``_settle`` (call with the lock held)."""
+        deltas, stopped_at = self._decode(stream, entry)
+        self._settle(stream, deltas, stopped_at)
+        return deltas
+
+    def _settle(self, stream: Stream, deltas: list[Delta], stopped_at: int | None) -> None:
+        """After decoding: a stream that ended is closed; a stop string is told to the scheduler."""
+        if deltas and deltas[-1].finish_reason is not None:
+            self._close(stream.request_id)
+        if stopped_at is not None:
+            self.finished[stream.request_id] = stopped_at
+            self.on_stop(stream.request_id, stopped_at)
+
+    def _decode(self, stream: Stream, entry: TokenEntry) -> tuple[list[Delta], int | None]:
+        """Feed a stream; returns its deltas, and the output length when a stop string matched. Touches
+        nothing but ``stream`` (and Redis, to fill a gap)."""
         skip = stream.num_tokens - entry.first_index
         if skip < 0:  # a gap: a batch went missing; take the missing tokens from Redis
             record = self.store.get(entry.request_id)
@@ -154,21 +181,17 @@ class DetokenizerCore:
                 delta.logprobs.append(logprobs[i])
             stream.num_tokens += 1
             if stopped:
-                self.on_stop(stream.request_id, stream.num_tokens)
-                final = self._final(stream, delta, "stop")
-                self.finished[stream.request_id] = stream.num_tokens
-                return [final]
+                return [self._final(stream, delta, "stop")], stream.num_tokens
         if entry.finish_reason is not None:  # the scheduler ended it: let out everything held back
             text, stopped = stream.matcher.feed(stream.detok.flush())
             delta.text += text if stopped else text + stream.matcher.release()
-            return [self._final(stream, delta, "stop" if stopped else entry.finish_reason)]
-        return [delta] if delta.text or delta.token_ids else []
+            return [self._final(stream, delta, "stop" if stopped else entry.finish_reason)], None
+        return ([delta] if delta.text or delta.token_ids else []), None
 
     def _final(self, stream: Stream, delta: Delta, reason: str) -> Delta:
         delta.finish_reason = reason
         delta.prompt_tokens = stream.prompt_tokens
         delta.completion_tokens = stream.num_tokens
-        self._close(stream.request_id)
         return delta
 
     def _close(self, request_id: str) -> None:

@@ -15,12 +15,16 @@ class SchedulerConfig:
     port: int = setting(50052, "gRPC port")
     worker: str = setting("127.0.0.1:50053", "address of the worker")
     detokenizer: str = setting("127.0.0.1:50054", "address of the detokenizer")
-    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state", secret=True)
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
     finished_ttl: float = setting(600.0, "seconds a finished request's record stays in Redis")
     max_num_batched_tokens: int = setting(0, "tokens one step may compute (0: 512 on a CPU worker, 8192 on a GPU)")
     max_num_seqs: int = setting(0, "most requests running at once (0: 64 on a CPU worker, 256 on a GPU)")
     max_waiting: int = setting(1024, "most requests waiting; beyond it Submit returns RESOURCE_EXHAUSTED")
+    step_timeout: float = setting(120.0, "seconds the worker may take to answer a step before it is declared dead "
+                                         "and its requests are requeued (0: wait forever)")
+    max_step_failures: int = setting(3, "failed worker steps a request may cause (found by running it alone) "
+                                        "before it ends with an error, so that the others go on")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
     metrics_port: int = setting(9102, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")
@@ -32,6 +36,8 @@ class SchedulerConfig:
         require(self.max_num_seqs >= 0, "max_num_seqs", "must be >= 0")
         require(self.max_waiting >= 1, "max_waiting", "must be >= 1")
         require(self.finished_ttl > 0, "finished_ttl", "must be > 0")
+        require(self.step_timeout >= 0, "step_timeout", "must be >= 0")
+        require(self.max_step_failures >= 1, "max_step_failures", "must be >= 1")
 
     def limits(self, device: str) -> tuple[int, int]:
         """(max_num_batched_tokens, max_num_seqs), filling the 0 = auto values for the worker's device."""

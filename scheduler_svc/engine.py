@@ -19,17 +19,25 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from redis.exceptions import RedisError
-
 from conveyor.errors import NotFound
-from conveyor.state import RequestStore
+from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.metrics import Metrics
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.policy import Counters, Output, Scheduler, StepPlan
 from scheduler_svc.request import Request
 
 log = logging.getLogger("conveyor.scheduler")
+MAX_REWRITES = 3  # times a step rewrites a record Redis refuses before that request ends with an error
 
+
+
+class StepFailed(Exception):
+    """The worker answered a step with an error (it is alive: a request may have caused it).
+    ``culprit``: the sequence the worker named, when it could tell."""
+
+    def __init__(self, message: str, culprit: str | None = None):
+        super().__init__(message)
+        self.culprit = culprit
 
 
 class StepTransport(Protocol):
@@ -39,7 +47,9 @@ class StepTransport(Protocol):
         """Queue a step on the worker (returns at once)."""
 
     def receive(self, plan: StepPlan) -> dict[str, tuple[int, object]]:
-        """Wait for the answer to the oldest unanswered step (``plan``): request id -> (token, logprobs)."""
+        """Wait for the answer to the oldest unanswered step (``plan``): request id -> (token, logprobs).
+        Raises ``StepFailed`` when the worker refused or failed the step, ``TimeoutError`` when it did not
+        answer within the step timeout, anything else when the connection broke."""
 
     def reset(self) -> None:
         """After a failure: forget unanswered steps and reconnect."""
@@ -69,6 +79,8 @@ class Engine:
         self.worker_up = True
         self.redis_up = True
         self.on_health: Callable[[bool], None] = lambda serving: None  # health follows worker and Redis
+        # the loop died of an unexpected error: the server goes NOT_SERVING and exits non-zero
+        self.on_crash: Callable[[BaseException], None] = lambda exc: None
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -129,6 +141,17 @@ class Engine:
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        """The loop, and what happens when it breaks: a bug must not leave a dead thread behind a health
+        that says SERVING. ``on_crash`` reports it (the server exits, its supervisor restarts it, and the
+        new scheduler recovers every request from Redis)."""
+        try:
+            self._steps()
+        except BaseException as exc:  # noqa: BLE001 - anything: the process must not serve without its loop
+            log.critical("the engine loop failed; the scheduler stops", exc_info=True)
+            self._set_health(worker_up=False)
+            self.on_crash(exc)
+
+    def _steps(self) -> None:
         """Keep up to ``depth`` steps on the worker: schedule and send while there is room, then take
         the oldest answer, apply it, write Redis and publish (the worker meanwhile computes the next)."""
         backoff = 0.1
@@ -216,7 +239,11 @@ class Engine:
         m.worker_up.set(1 if self.worker_up else 0)
 
     def _recover(self, plan: StepPlan, exc: Exception, backoff: float, dropped) -> float:
-        """The worker failed: requeue everything for recompute, write what was decided, reconnect."""
+        """The worker failed: blame what caused it, requeue everything for recompute, write what was
+        decided, reconnect."""
+        if isinstance(exc, StepFailed):  # the worker is alive and said no: maybe one request's fault
+            with self.cond:
+                self.decided += self.scheduler.step_failed(plan, exc.culprit, str(exc))
         self._worker_failed(plan, exc, backoff)
         for dropped_plan, dropped_decided in dropped:
             self._write_and_publish(dropped_plan, [], dropped_decided)
@@ -263,19 +290,26 @@ class Engine:
             self.cond.wait(timeout=0.5)
 
     def _worker_failed(self, plan: StepPlan, exc: Exception, backoff: float) -> None:
-        if self.worker_up:
+        refused = isinstance(exc, StepFailed)  # the worker answered: it is up, the step was bad
+        if refused:
+            log.warning("worker step %d failed (%s); requeueing %d running requests, suspects run alone",
+                        plan.step, exc, len(self.scheduler.running))
+        elif self.worker_up:
             log.error("worker step %d failed (%s); requeueing %d running requests for recompute",
-                      plan.step, exc, len(self.scheduler.running))
-        self._set_health(worker_up=False)
+                      plan.step, exc or type(exc).__name__, len(self.scheduler.running))
+        if not refused:
+            self._set_health(worker_up=False)
         with self.cond:
             self.scheduler.reset_worker()
-        time.sleep(backoff)
+        if not refused:
+            time.sleep(backoff)
 
     def _persist(self, writer, requests: dict[str, Request]) -> None:
         """Send one step's Redis writes. A record Redis lost (it restarted) is rewritten whole from memory;
         while Redis is unreachable, retry (with backoff) until it is back: tokens are published only
         after Redis has them, so a client never sees a token a restarted process could not find."""
         attempt = 0
+        rewrites: dict[str, int] = {}
         while True:
             try:
                 lost = writer.execute()
@@ -284,10 +318,17 @@ class Engine:
                     self._set_health(redis_up=True)
                 if not lost:
                     return
-                log.warning("Redis lost the records of %d requests; rewriting them", len(lost))
+                log.warning("Redis lost or refused the records of %d requests; rewriting them", len(lost))
                 self.metrics.redis_repairs.inc(len(lost))
-                requests = {rid: requests[rid] for rid in lost if rid in requests}
-            except RedisError as exc:
+                for rid in lost:
+                    rewrites[rid] = rewrites.get(rid, 0) + 1
+                hopeless = {rid for rid in lost if rewrites[rid] > MAX_REWRITES}
+                for rid in hopeless & requests.keys():  # Redis keeps refusing this record: fail it alone
+                    self._give_up(requests[rid])
+                requests = {rid: requests[rid] for rid in lost - hopeless if rid in requests}
+                if not requests:
+                    return
+            except REDIS_DOWN as exc:
                 if attempt % 20 == 0:
                     log.warning("Redis write failed (%s); retrying", exc)
                 self._set_health(redis_up=False)
@@ -297,6 +338,17 @@ class Engine:
             writer = self.store.writer()  # retry by rewriting the step's records whole: idempotent
             for request in requests.values():
                 writer.restore(request.to_record(now))
+
+    def _give_up(self, request: Request) -> None:
+        """A record Redis refuses even when rewritten whole: end that request (its own error, not an
+        outage: health stays as it is and the other requests go on)."""
+        log.error("Redis refuses the record of %s; ending it", request.request_id)
+        with self.cond:
+            output = self.scheduler.abort(request.request_id)
+        if output is not None:
+            request.error = "Redis refused this request's record"
+            output.finish_reason = request.finish_reason = "error"
+            self.publish(0, [output])
 
     def _write_and_publish(self, plan: StepPlan, outputs: list[Output], decided: list[Output]) -> None:
         now = time.time()
@@ -312,13 +364,15 @@ class Engine:
         for output in outputs:
             request = output.request
             first = request.first_token_time if output.first_index == 0 else None
-            writer.tokens(request.request_id, output.token_ids, len(request.output_ids), first)
+            writer.tokens(request.request_id, output.token_ids, output.end, first)
             touched[request.request_id] = request
         for output in [*outputs, *decided]:
             if output.finish_reason is not None:
                 request = output.request
-                writer.finished(request.request_id, output.finish_reason, len(request.output_ids), now,
-                                trim=output.trim, stopped_by_token=output.finish_reason == "stop" and request.stopped_by_token)
+                writer.finished(request.request_id, self.store.alias_key(request.owner, request.client_id),
+                                output.finish_reason, output.end, now, trim=output.trim,
+                                stopped_by_token=output.finish_reason == "stop" and request.stopped_by_token,
+                                error=request.error)
                 touched[request.request_id] = request
         self._persist(writer, touched)
         published = outputs + [o for o in decided if o.finish_reason != "stop"]  # the detokenizer knows its stops

@@ -74,6 +74,12 @@ class Output:
     finish_reason: str | None = None
     trim: bool = False  # output was cut back (a stop string matched): Redis must drop the tail
 
+    @property
+    def end(self) -> int:
+        """The request's output length right after this Output, as it was when decided (the live list may
+        have been cut back since, by a stop string: what a step writes must not read it)."""
+        return self.first_index + len(self.token_ids)
+
 
 @dataclass
 class Counters:
@@ -85,7 +91,8 @@ class Counters:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_waiting: int):
+                 max_waiting: int, max_step_failures: int = 3):
+        self.max_step_failures = max_step_failures
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -99,6 +106,7 @@ class Scheduler:
         self.preempted: list[Request] = []  # since the last plan (their Redis status goes back to waiting)
         self.admitted: list[Request] = []  # since the last plan (for the queue-time metric)
         self.counters = Counters()
+        self._solo_turn = True  # with suspects: every other step runs one of them alone
 
     # ------------------------------------------------------------ arrivals and departures
 
@@ -169,6 +177,28 @@ class Scheduler:
         self.to_free.clear()
         self.free_all = True
 
+    def step_failed(self, plan: StepPlan, culprit: str | None, error: str) -> list[Output]:
+        """The worker failed ``plan`` (call before ``reset_worker``). ``culprit``: the sequence the worker
+        named, when it could. A request is blamed when named, or when it was alone in the step; unnamed,
+        everyone in the step becomes a suspect and runs in steps of its own (``schedule``) until it gets
+        a token, which finds the culprit without holding the others back. A request blamed
+        ``max_step_failures`` times ends with "error"; its Output is returned."""
+        involved = [c.request for c in plan.chunks if self.requests.get(c.request.request_id) is c.request]
+        if culprit is not None:
+            involved = [r for r in involved if r.request_id == culprit]
+        blamed = involved if culprit is not None or len(involved) == 1 else []
+        for request in involved:
+            request.suspect = True
+        failed = []
+        for request in blamed:
+            request.failures += 1
+            if request.failures >= self.max_step_failures:
+                request.error = (f"the worker failed {request.failures} steps that computed this request, the last "
+                                 f"with it alone ({error}); it was stopped so the others can go on "
+                                 f"(--max-step-failures {self.max_step_failures})")
+                failed.append(self._finish(request, "error"))
+        return failed
+
     def resize(self, blocks: BlockManager, max_model_len: int) -> list[Output]:
         """Use another worker's KV cache (after ``reset_worker``: no request holds blocks). Requests that
         no longer fit (their tokens so far plus one) end with "length"; their Outputs are returned."""
@@ -186,20 +216,38 @@ class Scheduler:
     # ------------------------------------------------------------ one step
 
     def schedule(self) -> StepPlan:
-        budget = self.max_num_batched_tokens
+        """Running requests first (decodes and prefill chunks), then new ones from the queue, under the
+        token budget; preempts the newest when blocks run out. While some requests are suspects (they
+        were in a step that failed), every other step runs one of them alone and the steps between
+        leave them out."""
+        suspects = [r for r in (*self.running, *self.waiting) if r.suspect]
+        suspect = min(suspects, key=lambda r: r.failures) if suspects else None  # the least blamed first
+        self._solo_turn = not self._solo_turn
+        chunks: list[Chunk] = []
+        if suspect is not None and self._solo_turn:
+            chunks = self._schedule_alone(suspect)
+        if not chunks:
+            chunks = self._schedule_batch(self.max_num_batched_tokens)
+        if not chunks and suspect is not None and not self._solo_turn:  # nothing else to run: no need to wait
+            chunks = self._schedule_alone(suspect)
+        plan = StepPlan(self.counters.steps + 1, chunks, self.to_free, self.free_all, self.preempted, self.admitted)
+        if not plan.empty:
+            self.counters.steps += 1
+        self.to_free, self.free_all, self.preempted, self.admitted = [], False, [], []
+        return plan
+
+    def _schedule_batch(self, budget: int) -> list[Chunk]:
         chunks: list[Chunk] = []
         preempted = False
         for request in list(self.running):
             if budget == 0 or request.status is not Status.RUNNING:
                 break
-            if request.num_pending:
-                n = min(request.num_pending, budget)
-            elif request.samples_in_flight and request.may_extend(self.max_model_len):
-                n = 1  # decode the token still on its way back
-            else:
-                continue  # nothing to compute until its sampled token is back
-            end = request.num_computed + n
-            while not self.blocks.can_grow(request.request_id, end):
+            if request.suspect:
+                continue
+            n = self._wants(request, budget)
+            if not n:
+                continue
+            while not self.blocks.can_grow(request.request_id, request.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -209,22 +257,48 @@ class Scheduler:
                 break
             chunks.append(self._chunk(request, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
-            n = min(request.num_pending, budget)
-            if not self.blocks.can_grow(request.request_id, n):
+        for request in list(self.waiting):
+            if preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            self.waiting.popleft()
-            request.status = Status.RUNNING
-            self.admitted.append(request)
-            self.running.append(request)
+            if request.suspect:
+                continue
+            n = min(request.num_pending, budget)
+            if not self._admit(request, n):
+                break
             chunks.append(self._chunk(request, n))
             budget -= n
-        plan = StepPlan(self.counters.steps + 1, chunks, self.to_free, self.free_all, self.preempted, self.admitted)
-        if not plan.empty:
-            self.counters.steps += 1
-        self.to_free, self.free_all, self.preempted, self.admitted = [], False, [], []
-        return plan
+        return chunks
+
+    def _schedule_alone(self, request: Request) -> list[Chunk]:
+        """One step of ``request`` alone (it may have caused a failed step); [] when it cannot run now."""
+        budget = self.max_num_batched_tokens
+        if request.status is Status.RUNNING:
+            n = self._wants(request, budget)
+            if not n or not self.blocks.can_grow(request.request_id, request.num_computed + n):
+                return []
+        else:
+            n = min(request.num_pending, budget)
+            if len(self.running) >= self.max_num_seqs or not self._admit(request, n):
+                return []
+        return [self._chunk(request, n)]
+
+    def _wants(self, request: Request, budget: int) -> int:
+        """Tokens a running request would compute this step (0: none until its sampled token is back)."""
+        if request.num_pending:
+            return min(request.num_pending, budget)
+        if request.samples_in_flight and request.may_extend(self.max_model_len):
+            return 1  # decode the token still on its way back
+        return 0
+
+    def _admit(self, request: Request, n: int) -> bool:
+        """Move a waiting request to the running set if blocks for its first ``n`` tokens are free."""
+        if not self.blocks.can_grow(request.request_id, n):
+            return False
+        self.waiting.remove(request)
+        request.status = Status.RUNNING
+        self.admitted.append(request)
+        self.running.append(request)
+        return True
 
     def _chunk(self, request: Request, n: int) -> Chunk:
         start = request.num_computed
@@ -250,6 +324,7 @@ class Scheduler:
             if not chunk.sample or stale or request.status is not Status.RUNNING:
                 continue
             request.samples_in_flight -= 1
+            request.suspect = False  # a step that held it succeeded
             token, logprobs = sampled[request.request_id]
             index = len(request.output_ids)
             request.output_ids.append(token)

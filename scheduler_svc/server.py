@@ -6,6 +6,7 @@ Protobuf is converted to the engine's dataclasses here and nowhere else.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,7 +22,7 @@ from conveyor.v1 import worker_pb2, worker_pb2_grpc
 from conveyor.wire import FINISH_TO_PB, logprobs_to_pb
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, StepFailed
 from scheduler_svc.policy import Output, Scheduler, StepPlan
 from scheduler_svc.request import Request, Status
 
@@ -79,26 +80,57 @@ def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatc
 
 
 class StepChannel:
-    """Steps to the worker over one ``StepStream``: sent in order, answered in order."""
+    """Steps to the worker over one ``StepStream``: sent in order, answered in order.
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub):
+    Answers are read on a thread of their own into a queue, so ``receive`` can give up on a worker that
+    stopped answering (hung, or its host gone without a reset) after ``step_timeout`` seconds."""
+
+    FAILED_SEQ = "conveyor-failed-seq"  # trailing metadata: the sequence that made the worker fail a step
+    REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+               grpc.StatusCode.RESOURCE_EXHAUSTED)  # the worker is alive and failed the step
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, step_timeout: float = 0.0):
         self.stub = stub
+        self.step_timeout = step_timeout or None
         self._open()
 
     def _open(self) -> None:
         self.requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
         self.call = self.stub.StepStream(iter(self.requests.get, None))
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(self.call, self.replies), name="step-replies", daemon=True).start()
+
+    @staticmethod
+    def _read(call, replies: queue.Queue) -> None:
+        try:
+            for reply in call:
+                replies.put(reply)
+            replies.put(ConnectionError("the worker ended the step stream"))
+        except grpc.RpcError as exc:
+            replies.put(exc)
 
     def send(self, plan: StepPlan) -> None:
         self.requests.put(plan_to_pb(plan))
 
     def receive(self, plan: StepPlan) -> dict[str, tuple[int, object]]:
-        reply = next(self.call, None)
-        if reply is None:
-            raise ConnectionError("the worker ended the step stream")
+        try:
+            reply = self.replies.get(timeout=self.step_timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the worker did not answer step {plan.step} within {self.step_timeout:g} s "
+                               "(--step-timeout)") from None
+        if isinstance(reply, grpc.RpcError):
+            raise self._failure(reply)
+        if isinstance(reply, Exception):
+            raise reply
         if reply.step_id != plan.step:
             raise ConnectionError(f"the worker answered step {reply.step_id}, expected {plan.step}")
         return sampled_from_pb(plan, reply)
+
+    def _failure(self, exc: grpc.RpcError) -> Exception:
+        if exc.code() not in self.REFUSED:
+            return exc  # the connection broke (the worker died or restarts)
+        culprit = dict(exc.trailing_metadata() or ()).get(self.FAILED_SEQ)
+        return StepFailed(f"{exc.code().name}: {exc.details()}", culprit)
 
     def reset(self) -> None:
         self.requests.put(None)
@@ -179,7 +211,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             s = engine.scheduler
             held = [*s.waiting, *s.running]
             states = [
-                scheduler_pb2.RequestState(request_id=r.request_id, status=r.status.value,
+                scheduler_pb2.RequestState(request_id=r.request_id, client_id=r.client_id, owner=r.owner,
+                                           status=r.status.value,
                                            num_blocks=len(s.blocks.table(r.request_id)),
                                            num_output_tokens=len(r.output_ids))
                 for r in held if r.status is not Status.FINISHED
@@ -225,13 +258,14 @@ def build_engine(cfg: SchedulerConfig, metrics: Metrics) -> tuple[Engine, schedu
     info = worker_info(worker, cfg.worker)
     max_len = min(info.max_model_len, info.num_blocks * info.block_size)
     batched, seqs = cfg.limits(info.device)
-    scheduler = Scheduler(BlockManager(info.num_blocks, info.block_size), max_len, batched, seqs, cfg.max_waiting)
+    scheduler = Scheduler(BlockManager(info.num_blocks, info.block_size), max_len, batched, seqs, cfg.max_waiting,
+                          cfg.max_step_failures)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix, cfg.finished_ttl)
     detokenizer = detokenizer_pb2_grpc.DetokenizerStub(
         grpc_util.internal_channel(cfg.detokenizer)
     )
 
-    engine = Engine(scheduler, store, StepChannel(worker), Publisher(detokenizer), tuple(info.eos_token_ids),
+    engine = Engine(scheduler, store, StepChannel(worker, cfg.step_timeout), Publisher(detokenizer), tuple(info.eos_token_ids),
                     metrics=metrics)
     watch_redis(store, metrics)
     public = scheduler_pb2.SchedulerInfoResponse(
@@ -254,6 +288,13 @@ def serve(cfg: SchedulerConfig) -> None:
     server.start()  # health answers NOT_SERVING while we wait for the worker
     engine, info = build_engine(cfg, metrics)
     engine.on_health = lambda serving: grpc_util.set_serving(health, [SERVICE_NAME], serving, metrics)
+
+    def crashed(exc: BaseException) -> None:  # the engine loop is gone: stop so a supervisor restarts us
+        grpc_util.set_serving(health, [SERVICE_NAME], False, metrics)
+        server.stop(grace=1)
+        os._exit(70)  # EX_SOFTWARE; the engine thread cannot unwind the main thread otherwise
+
+    engine.on_crash = crashed
     engine.recover()
     service.ready(engine, info)
     with engine.cond:

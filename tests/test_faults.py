@@ -238,10 +238,10 @@ def test_redis_that_lost_everything_gets_every_record_back_from_the_scheduler(st
     print(f"records rewritten after the flush: {repaired:.0f}")
     assert repaired > 0
     for i, got in enumerate(results):  # the rewritten records are whole: the tokens every client received
-        record = store.get(f"flushed-{i}")
+        record = store.find(f"flushed-{i}")
         if record is not None:  # finished before the flush: gone with it, and nobody needs it
             assert record.status == "finished" and record.output_ids == got.tokens and record.prompt_ids
-    assert sum(store.get(f"flushed-{i}") is not None for i in range(len(results))) > len(results) // 2
+    assert sum(store.find(f"flushed-{i}") is not None for i in range(len(results))) > len(results) // 2
 
 
 def test_worker_restarted_with_a_smaller_cache_is_adopted(stack, reference):
@@ -281,7 +281,7 @@ def test_a_cancel_while_the_scheduler_is_down_still_aborts_the_request(stack):
         stream.cancel()
         killed = time.monotonic()
         while True:
-            record = store.get("cancelled-while-down")
+            record = store.find("cancelled-while-down")
             if record.status == "finished":
                 break
             assert time.monotonic() - killed < 25, "not aborted before the orphan timeout"

@@ -208,6 +208,7 @@ def test_compose_commands_ports_and_health_checks_match_the_cli():
         assert test[:4] == ["CMD", "python", "-m", "conveyor.healthcheck"]
         assert test[4] == f"127.0.0.1:{args.port}"
         assert test[5] == {"frontend": "conveyor.v1.Conveyor"}.get(name, f"conveyor.v1.{name.capitalize()}")
+        assert test[6:] == (["--public"] if name == "frontend" else [])  # internal ports: mutual TLS
         assert args.metrics_host == "0.0.0.0" and args.host == "0.0.0.0"
     frontend = parser.parse_args(compose["services"]["frontend"]["command"])
     scheduler = parser.parse_args(compose["services"]["scheduler"]["command"])

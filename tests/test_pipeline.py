@@ -117,16 +117,16 @@ def test_cancelling_a_stream_frees_its_blocks_within_a_step(stack, client):
     first = next(it)
     next(it)
     before = scheduler.Stats(scheduler_pb2.StatsRequest())
-    held = {r.request_id: r.num_blocks for r in before.requests}
+    held = {r.client_id: r.num_blocks for r in before.requests}
     assert held.get(first.request_id, 0) > 0
     stream.cancel()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         after = scheduler.Stats(scheduler_pb2.StatsRequest())
-        if first.request_id not in {r.request_id for r in after.requests}:
+        if first.request_id not in {r.client_id for r in after.requests}:
             break
         time.sleep(0.01)
-    assert first.request_id not in {r.request_id for r in after.requests}
+    assert first.request_id not in {r.client_id for r in after.requests}
     assert after.aborts == before.aborts + 1
     assert after.steps - before.steps <= 2  # the step in flight when the abort arrived, at most one more
     assert after.free_blocks >= before.free_blocks + held[first.request_id] - 1
@@ -147,19 +147,22 @@ def test_redis_records_the_documented_fields_and_they_expire(stack, client, defa
     rid = "redis-fields-1"
     stream = iter(client.stream(messages=_chat(PROMPTS[0]), temperature=0, max_tokens=30, request_id=rid))
     first = next(stream)
-    live = {k.decode(): v.decode() for k, v in store.redis.hgetall(store.key(rid)).items()}
-    assert {"request_id", "status", "prompt_ids", "params", "frontend", "arrival", "num_output"} <= set(live)
-    assert live["status"] in ("running", "waiting") and rid in store.inflight()
+    key = store.lookup("", rid)  # the request's own key; the client's id is its name (no API keys here: owner "")
+    live = {k.decode(): v.decode() for k, v in store.redis.hgetall(store.key(key)).items()}
+    assert {"request_id", "client_id", "owner", "status", "prompt_ids", "params", "frontend", "arrival",
+            "num_output"} <= set(live)
+    assert live["client_id"] == rid and live["request_id"] == key != rid
+    assert live["status"] in ("running", "waiting") and key in store.inflight()
     deltas = [first, *stream]
-    record = store.get(rid)
+    record = store.get(key)
     assert record.status == "finished" and record.finish_reason == deltas[-1].finish_reason
     assert record.output_ids == [t for d in deltas for t in d.token_ids]
     assert record.num_output == deltas[-1].completion_tokens and record.first_token >= record.arrival
     assert record.finish >= record.first_token and record.params.max_tokens == 30 and record.params.temperature == 0
-    assert rid not in store.inflight()
-    assert 0 < store.ttl(rid) <= 3.0
+    assert key not in store.inflight()
+    assert 0 < store.ttl(key) <= 3.0 and 0 < store.redis.pttl(store.alias_key("", rid)) <= 3000
     time.sleep(3.2)
-    assert not store.redis.exists(store.key(rid)) and not store.redis.exists(store.out_key(rid))
+    assert not store.redis.exists(store.key(key), store.out_key(key), store.alias_key("", rid))
 
 
 INVALID = {
@@ -320,9 +323,9 @@ def test_deadline_exceeded_aborts_the_request_on_the_server(stack, client):
                         request_id=rid)
     store = RequestStore.from_url(stack.redis_url)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (store.get(rid) is None or store.get(rid).status != "finished"):
+    while time.monotonic() < deadline and (store.find(rid) is None or store.find(rid).status != "finished"):
         time.sleep(0.02)
-    record = store.get(rid)
+    record = store.find(rid)
     assert record.status == "finished" and record.finish_reason == "abort" and record.num_output < 400
 
 

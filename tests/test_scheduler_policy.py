@@ -223,3 +223,61 @@ def test_resize_to_a_smaller_worker_ends_the_requests_that_no_longer_fit():
     assert s.blocks.num_blocks == 8 and s.max_model_len == 32 and "long" not in s.requests
     plan, _ = _run(s)
     assert [c.request.request_id for c in plan.chunks] == ["short"]
+
+
+def _answer(s: Scheduler, plan, token: int = 7):
+    return s.update(plan, {c.request.request_id: (token, None) for c in plan.chunks if c.sample})
+
+
+def test_an_unattributed_failure_runs_each_suspect_alone_until_it_gets_a_token():
+    s = _scheduler()
+    for rid in "abc":
+        s.add(_request(rid, 3))
+    _run(s)
+    failed = s.schedule()  # the worker fails this step and cannot say who caused it
+    assert s.step_failed(failed, None, "kernel error") == []  # nobody is blamed: three were in it
+    s.reset_worker()
+    alone, batched = set(), []
+    for _ in range(12):
+        suspects = {r for r in "abc" if s.requests[r].suspect}
+        plan = s.schedule()
+        ids = [c.request.request_id for c in plan.chunks]
+        if set(ids) & suspects:
+            assert len(ids) == 1  # a suspect never shares a step
+            alone.add(ids[0])
+        batched.append(ids)
+        _answer(s, plan)
+    assert alone == {"a", "b", "c"} and not any(s.requests[r].suspect for r in "abc")
+    assert sorted(batched[-1]) == ["a", "b", "c"]  # then batched together again
+
+
+def test_a_request_that_keeps_failing_alone_ends_with_an_error_and_frees_its_blocks():
+    s = _scheduler()
+    for rid in "ab":
+        s.add(_request(rid, 3, max_tokens=30))
+    _run(s)
+    ended, alone_failures, b_tokens = [], 0, 0
+    for _ in range(40):  # the worker fails every step that computes "a" (a poison request)
+        plan = s.schedule()
+        ids = [c.request.request_id for c in plan.chunks]
+        if "a" in ids:
+            alone_failures += ids == ["a"]
+            ended += s.step_failed(plan, None, "boom")
+            s.reset_worker()
+        else:
+            b_tokens += sum(len(o.token_ids) for o in _answer(s, plan))
+        if ended and b_tokens >= 5:
+            break
+    assert [o.finish_reason for o in ended] == ["error"] and "max-step-failures" in ended[0].request.error
+    assert alone_failures == 3  # blamed only for the steps it failed alone
+    assert "a" not in s.requests and s.blocks.table("a") == [] and b_tokens >= 5  # the other one went on
+
+
+def test_a_culprit_the_worker_names_is_blamed_alone():
+    s = _scheduler()
+    for rid in "ab":
+        s.add(_request(rid, 3))
+    _run(s)
+    plan = s.schedule()
+    assert s.step_failed(plan, "b", "bad block") == []
+    assert (s.requests["a"].suspect, s.requests["b"].suspect, s.requests["b"].failures) == (False, True, 1)

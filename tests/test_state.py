@@ -44,3 +44,20 @@ def test_a_lost_record_is_reported_and_restored_whole(redis_server):
     assert (back.output_ids, back.prompt_ids, back.frontend, back.owner, back.params.max_tokens) == \
         ([7, 8, 9], [1, 2, 3], "fe:1", "alice", 9)
     assert rid in store.inflight()
+
+
+def test_a_command_redis_refuses_is_that_requests_alone_and_the_rewrite_heals_it(redis_server):
+    store = _store(redis_server)
+    good, bad = (RequestRecord(uuid.uuid4().hex, [1, 2], RequestParams()) for _ in range(2))
+    assert store.create(good) and store.create(bad)
+    store.redis.delete(store.key(bad.request_id))
+    store.redis.set(store.key(bad.request_id), "not a hash")  # WRONGTYPE for the HSET below
+    writer = store.writer()
+    writer.tokens(good.request_id, [5], 1, None)
+    writer.tokens(bad.request_id, [6], 1, None)
+    assert writer.execute() == {bad.request_id}  # reported for a rewrite; no exception, nothing else affected
+    assert store.get(good.request_id).output_ids == [5]
+    bad.output_ids, bad.num_output, bad.status = [6], 1, "running"
+    writer = store.writer()
+    writer.restore(bad)
+    assert writer.execute() == set() and store.get(bad.request_id).output_ids == [6]

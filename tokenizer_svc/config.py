@@ -19,9 +19,11 @@ class FrontendConfig:
     advertise: str = setting("", "address the detokenizer uses to reach this frontend (default internal host:port)")
     scheduler: str = setting("127.0.0.1:50052", "address of the scheduler")
     detokenizer: str = setting("127.0.0.1:50054", "address of the detokenizer (asked to replay a stream from Redis)")
-    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state", secret=True)
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
     max_stop_strings: int = setting(16, "most stop strings per request")
+    max_stop_token_ids: int = setting(64, "most stop token ids per request (each is checked on every token)")
+    max_logit_bias: int = setting(300, "most logit_bias entries per request (applied on every token)")
     max_prompt_tokens: int = setting(0, "most prompt tokens per request (0: the model's max length - 1)")
     max_message_bytes: int = setting(4 << 20, "largest request message in bytes (beyond: RESOURCE_EXHAUSTED)",
                                      parse=parse_size)
@@ -29,7 +31,8 @@ class FrontendConfig:
                                           "(0: no limit but the client's own deadline)")
     api_keys_file: str = setting("", "file of API keys, one 'name:key' per line; with keys set, calls without "
                                      "one get UNAUTHENTICATED")
-    api_keys: str = setting("", "API keys, comma-separated 'name:key' (prefer the environment variable)")
+    api_keys: str = setting("", "API keys, comma-separated 'name:key' (prefer the environment variable)",
+                            secret=True)
     max_streams_per_key: int = setting(0, "most streams one API key may have open (0: no limit)")
     tls_cert: str = setting("", "PEM certificate of the public API (with --tls-key: TLS)")
     tls_key: str = setting("", "PEM private key of the public API")
@@ -44,6 +47,8 @@ class FrontendConfig:
         require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
         require(0 <= self.internal_port < 65536, "internal_port", f"must be in [0, 65535], got {self.internal_port}")
         require(self.max_stop_strings >= 0, "max_stop_strings", "must be >= 0")
+        require(self.max_stop_token_ids >= 0, "max_stop_token_ids", "must be >= 0")
+        require(self.max_logit_bias >= 0, "max_logit_bias", "must be >= 0")
         require(self.max_streams >= 1, "max_streams", "must be >= 1")
         require(self.max_prompt_tokens >= 0, "max_prompt_tokens", "must be >= 0")
         require(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1K")

@@ -18,7 +18,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ from redis.exceptions import RedisError
 
 from conveyor.errors import AlreadyExists, ConveyorError, InvalidArgument, NotFound, Unavailable
 from conveyor.messages import Delta
-from conveyor.state import RequestRecord, RequestStore
+from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore, new_request_key
 from conveyor.tokenizer import ModelTokenizer
 from tokenizer_svc.validation import GenerateInput, Limits, build_params, check_input
 
@@ -51,8 +50,10 @@ STALL_SECONDS = 1.0
 
 
 class ClientStream:
-    def __init__(self, request_id: str, prompt_tokens: int, num_tokens: int = 0, text_len: int = 0):
-        self.request_id = request_id
+    def __init__(self, request_id: str, prompt_tokens: int, num_tokens: int = 0, text_len: int = 0,
+                 client_id: str = ""):
+        self.request_id = request_id  # the request's key (what every process and Redis know it by)
+        self.client_id = client_id or request_id  # the client's name for it (what the client sees)
         self.prompt_tokens = prompt_tokens
         self.text_len = text_len  # characters sent
         self.num_tokens = num_tokens  # tokens sent
@@ -76,7 +77,7 @@ class ClientStream:
         tokens, logprobs = d.token_ids[skip:], d.logprobs[skip:]
         if not (text or tokens or d.finish_reason):
             return
-        out = ClientDelta(self.request_id, text, tokens, self.num_tokens, logprobs, d.finish_reason)
+        out = ClientDelta(self.client_id, text, tokens, self.num_tokens, logprobs, d.finish_reason)
         self.text_len += len(text)
         self.num_tokens += len(tokens)
         if d.finish_reason is not None:
@@ -122,29 +123,29 @@ class Frontend:
         check_input(inp, self.limits)
         _, prompt_ids = self.render(inp)
         params = build_params(inp, len(prompt_ids), self.limits)
-        request_id = inp.request_id or uuid.uuid4().hex
-        stream = ClientStream(request_id, len(prompt_ids))
+        request_id = new_request_key()  # the client's id is only its name (see conveyor.state)
+        record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
+                               client_id=inp.request_id)
+        stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id)
         with self.lock:
-            if request_id in self.streams:
-                raise AlreadyExists(f"request_id {request_id!r} is already in use")
             self.streams[request_id] = stream
         try:
-            record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner)
             if not _with_redis(lambda: self.store.create(record), "recording the request"):
-                raise AlreadyExists(f"request_id {request_id!r} is already in use (in flight or finished recently)")
-            self._submit(request_id, submit_timeout)
+                raise AlreadyExists(f"request_id {record.client_id!r} is already in use by this API key (in flight, "
+                                    "or finished less than --finished-ttl ago)")
+            self._submit(record, submit_timeout)
         except BaseException:
             self._unregister(request_id)
             raise
         return stream
 
-    def _submit(self, request_id: str, timeout: float) -> None:
+    def _submit(self, record: RequestRecord, timeout: float) -> None:
         """Submit, retrying while the scheduler is unavailable (it may be restarting: a restarted
         scheduler also finds the request in Redis). A refusal removes the record again."""
         try:
-            _retry(lambda: self.submit(request_id), Unavailable, timeout)
+            _retry(lambda: self.submit(record.request_id), Unavailable, timeout)
         except ConveyorError:
-            self.store.discard(request_id)
+            self.store.discard(record)
             raise
 
     def deliver(self, deltas: list[Delta]) -> list[str]:
@@ -180,34 +181,43 @@ class Frontend:
         except ConveyorError as exc:
             log.warning("gave up aborting %s: %s", request_id, exc)
 
-    def abort(self, request_id: str, owner: str = "") -> bool:
+    def abort(self, client_id: str, owner: str = "") -> bool:
         """The public Abort: the stream (here or on another frontend) ends with finish_reason abort.
-        Only the owner may abort; for anyone else the request does not exist."""
-        record = _with_redis(lambda: self.store.get(request_id), "reading the request")
-        if record is None or record.owner != owner:
+        Ids are the owner's: another key's request of the same name is not this one."""
+        record = _with_redis(lambda: self.store.find(client_id, owner), "reading the request")
+        if record is None:
             return False
-        return self.abort_at_scheduler(request_id)
+        return self.abort_at_scheduler(record.request_id)
 
-    def resume(self, request_id: str, token_index: int, text_offset: int, owner: str = "") -> ClientStream:
+    def resume(self, client_id: str, token_index: int, text_offset: int, owner: str = "") -> ClientStream:
         """Continue a request's stream here (its frontend died, or the client's connection broke) from
-        what the client already has; the detokenizer delivers to this frontend from now on."""
-        record = _with_redis(lambda: self.store.get(request_id), "reading the request")
-        if record is None or record.owner != owner:
-            raise NotFound(f"request_id {request_id!r}: no such request (unknown, another key's, or finished "
+        what the client already has; the detokenizer delivers to this frontend from now on. Only the
+        owner can resume, so only the owner moves delivery."""
+        record = _with_redis(lambda: self.store.find(client_id, owner), "reading the request")
+        if record is None:
+            raise NotFound(f"request_id {client_id!r}: no such request (unknown, another key's, or finished "
                            "and expired)")
         if token_index > len(record.output_ids):
             raise InvalidArgument(f"token_index must be at most the {len(record.output_ids)} tokens generated so "
                                   f"far, got {token_index}")
-        stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset)
+        request_id = record.request_id
+        stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset, client_id)
         with self.lock:
             self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed
         _with_redis(lambda: self.store.set_frontend(request_id, self.address), "claiming the request")
         stream.behind = True
-        self.keep_up(stream)
+        self.keep_up(stream, claim=True)
         return stream
 
-    def keep_up(self, stream: ClientStream) -> None:
-        """Called while a stream waits: replay it from Redis when it is behind (see the module doc)."""
+    def failure(self, stream: ClientStream) -> str:
+        """Why the server ended a request with finish_reason "error" (recorded in Redis)."""
+        record = _with_redis(lambda: self.store.get(stream.request_id), "reading the request")
+        return (record.error if record is not None else None) or "the server could not compute this request"
+
+    def keep_up(self, stream: ClientStream, claim: bool = False) -> None:
+        """Called while a stream waits: replay it from Redis when it is behind (see the module doc).
+        ``claim``: deliver to this frontend from now on (a client resumed here); a stream that is merely
+        behind never moves delivery (it may be a stale one whose client resumed elsewhere)."""
         now = time.monotonic()
         if stream.finished or (not stream.behind and now - stream.last_activity < STALL_SECONDS):
             return
@@ -217,7 +227,7 @@ class Frontend:
             stream.last_check = now
             try:
                 progress = self.store.progress(stream.request_id)
-            except RedisError:
+            except REDIS_DOWN:
                 return  # Redis is restarting; look again later
             suspect, stream.suspect = stream.suspect, None
             if progress is None or (progress[0] <= stream.num_tokens and not progress[1]):
@@ -227,7 +237,7 @@ class Frontend:
                 return
             self.on_stalled()
         try:
-            deltas = self.replay(stream.request_id, self.address)
+            deltas = self.replay(stream.request_id, self.address if claim else "")
         except ConveyorError as exc:
             log.warning("replay of %s failed (%s); trying again", stream.request_id, exc)
             stream.behind = True
@@ -256,8 +266,11 @@ def _retry(call, retry_on, timeout: float, delay: float = 0.05, max_delay: float
 
 
 def _with_redis(call, what: str, timeout: float = 10.0):
-    """``call()``, retried while Redis is unreachable (it may be restarting); then UNAVAILABLE."""
+    """``call()``, retried while Redis is unreachable (it may be restarting); then UNAVAILABLE. Any other
+    Redis error is about this request alone: INTERNAL for this call, and nothing else is affected."""
     try:
-        return _retry(call, RedisError, timeout)
-    except RedisError as exc:
+        return _retry(call, REDIS_DOWN, timeout)
+    except REDIS_DOWN as exc:
         raise Unavailable(f"Redis is unreachable ({what}): {exc}") from exc
+    except RedisError as exc:
+        raise ConveyorError(f"Redis refused {what}: {exc}") from exc

@@ -223,6 +223,9 @@ class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
                         return
                     self.frontend.keep_up(stream)
                     continue
+                if delta.finish_reason == "error":  # the request could not be computed: say why
+                    timer.finished("error", stream.prompt_tokens)
+                    raise ConveyorError(f"request_id {stream.client_id!r} failed: {self.frontend.failure(stream)}")
                 yield client_delta_to_pb(delta)
                 timer.sent(delta)
                 if delta.finish_reason is not None:
@@ -284,11 +287,13 @@ def serve(cfg: FrontendConfig) -> None:
     auth = grpc_util.AuthInterceptor(keys, cfg.max_streams_per_key)
     # beyond max_streams calls at once, gRPC answers RESOURCE_EXHAUSTED instead of queueing them unseen
     public = grpc_util.make_server(max_workers=cfg.max_streams + 8, metrics=metrics, interceptors=[auth],
-                                   max_message_bytes=cfg.max_message_bytes, max_concurrent_rpcs=cfg.max_streams + 8)
+                                   max_message_bytes=cfg.max_message_bytes, max_concurrent_rpcs=cfg.max_streams + 8,
+                                   options=grpc_util.PUBLIC_KEEPALIVE)
     public_health = grpc_util.add_health_and_reflection(public, [PUBLIC_SERVICE])
     sinfo = scheduler.info()
     limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings,
-                    max_prompt_tokens=cfg.max_prompt_tokens)
+                    max_prompt_tokens=cfg.max_prompt_tokens, max_stop_token_ids=cfg.max_stop_token_ids,
+                    max_logit_bias=cfg.max_logit_bias)
     detokenizer = DetokenizerClient(cfg.detokenizer)
     frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, scheduler.submit, scheduler.abort,
                         detokenizer.replay)

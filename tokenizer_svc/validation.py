@@ -13,7 +13,7 @@ from conveyor.errors import InvalidArgument
 from conveyor.params import DEFAULT_MAX_TOKENS, RequestParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # a name only: Redis keys never contain it (conveyor.state)
 
 
 @dataclass
@@ -51,6 +51,8 @@ class Limits:
     max_logprobs: int = 20
     max_prompt_chars: int = 1 << 20
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
+    max_stop_token_ids: int = 64  # each is checked on every token
+    max_logit_bias: int = 300  # entries; applied on every token (OpenAI's limit too)
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -87,6 +89,8 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(inp, name)
         _check(value is None or -2 <= value <= 2, f"sampling.{name}", f"must be in [-2, 2], got {value}")
+    _check(len(inp.logit_bias) <= limits.max_logit_bias, "sampling.logit_bias",
+           f"has {len(inp.logit_bias)} entries; at most {limits.max_logit_bias} are allowed (--max-logit-bias)")
     for token, bias in inp.logit_bias.items():
         _check(0 <= token < limits.vocab_size, "sampling.logit_bias", f"token id {token} is not below the vocabulary size {limits.vocab_size}")
         _check(math.isfinite(bias) and -100 <= bias <= 100, "sampling.logit_bias", f"value for token {token} must be in [-100, 100], got {bias}")
@@ -96,10 +100,12 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
     _check(inp.max_tokens is None or inp.min_tokens <= inp.max_tokens, "stop.min_tokens",
            f"({inp.min_tokens}) must not exceed stop.max_tokens ({inp.max_tokens})")
     _check(len(inp.stop) <= limits.max_stop_strings, "stop.stop",
-           f"has {len(inp.stop)} strings; at most {limits.max_stop_strings} are allowed")
+           f"has {len(inp.stop)} strings; at most {limits.max_stop_strings} are allowed (--max-stop-strings)")
     for i, text in enumerate(inp.stop):
         _check(text != "", f"stop.stop[{i}]", "must not be empty")
         _check(len(text) <= limits.max_stop_length, f"stop.stop[{i}]", f"is longer than {limits.max_stop_length} characters")
+    _check(len(inp.stop_token_ids) <= limits.max_stop_token_ids, "stop.stop_token_ids",
+           f"has {len(inp.stop_token_ids)} ids; at most {limits.max_stop_token_ids} are allowed (--max-stop-token-ids)")
     for token in inp.stop_token_ids:
         _check(0 <= token < limits.vocab_size, "stop.stop_token_ids", f"token id {token} is not below the vocabulary size {limits.vocab_size}")
 

@@ -27,6 +27,8 @@ class WorkerConfig:
         choices=("auto", "on", "off"),
     )
     seed: int | None = setting(None, "seed of the worker's generator for unseeded requests")
+    fail_on_token: int = setting(-1, "fault injection for tests: every step that computes this token id fails "
+                                     "(as a kernel or device error would); -1: off")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
     metrics_port: int = setting(9103, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")

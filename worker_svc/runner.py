@@ -22,7 +22,12 @@ from worker_svc.sampling import Sampled, SampleRow, SamplingParams, sample
 
 
 class InvalidStep(InvalidArgument):
-    """The step names a block, position, token or sequence the worker cannot accept."""
+    """The step names a block, position, token or sequence the worker cannot accept. ``seq_id``: the
+    sequence at fault, when one is (the scheduler then blames that request alone)."""
+
+    def __init__(self, message: str, seq_id: str | None = None):
+        super().__init__(message)
+        self.seq_id = seq_id
 
 
 @dataclass
@@ -64,7 +69,9 @@ class SeqState:
 class ModelRunner:
     """Owns the model, the KV cache and the per-sequence state; ``step`` runs one engine step."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int, seed: int | None = None):
+    def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int, seed: int | None = None,
+                 fail_on_token: int = -1):
+        self.fail_on_token = fail_on_token  # fault injection (--fail-on-token): -1 off
         self.model = model
         self.cache = cache
         self.max_model_len = max_model_len
@@ -90,47 +97,49 @@ class ModelRunner:
     def _with_last_sampled(self, c: SeqChunk, known: bool) -> SeqChunk:
         where = f"sequence {c.seq_id!r}"
         if c.token_ids:
-            raise InvalidStep(f"{where}: decode_last takes no token_ids")
+            raise InvalidStep(f"{where}: decode_last takes no token_ids", c.seq_id)
         last = self.seqs[c.seq_id].last_sampled if known else None
         if last is None:
-            raise InvalidStep(f"{where}: decode_last but nothing was sampled for it in the previous step")
+            raise InvalidStep(f"{where}: decode_last but nothing was sampled for it in the previous step", c.seq_id)
         return SeqChunk(c.seq_id, [last], c.start_pos, c.new_block_ids, c.sample, c.sampling, c.num_prompt_tokens)
 
     def _check_chunk(self, c: SeqChunk, known: bool) -> None:
         where = f"sequence {c.seq_id!r}"
         if not c.token_ids:
-            raise InvalidStep(f"{where}: token_ids is empty")
+            raise InvalidStep(f"{where}: token_ids is empty", c.seq_id)
         bad = [t for t in c.token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidStep(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidStep(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", c.seq_id)
         if c.start_pos == 0:
             if c.sampling is None:
-                raise InvalidStep(f"{where}: a chunk at position 0 must carry sampling parameters")
+                raise InvalidStep(f"{where}: a chunk at position 0 must carry sampling parameters", c.seq_id)
             if c.num_prompt_tokens < 1:
-                raise InvalidStep(f"{where}: num_prompt_tokens must be >= 1")
+                raise InvalidStep(f"{where}: num_prompt_tokens must be >= 1", c.seq_id)
             table: list[int] = []
         elif not known:
-            raise InvalidStep(f"{where}: unknown sequence (it must start at position 0)")
+            raise InvalidStep(f"{where}: unknown sequence (it must start at position 0)", c.seq_id)
         else:
             state = self.seqs[c.seq_id]
             if c.start_pos != len(state.tokens):
-                raise InvalidStep(f"{where}: start_pos {c.start_pos} but {len(state.tokens)} tokens are computed")
+                raise InvalidStep(f"{where}: start_pos {c.start_pos} but {len(state.tokens)} tokens are computed", c.seq_id)
             table = state.block_table
         end = c.start_pos + len(c.token_ids)
         if end > self.max_model_len:
-            raise InvalidStep(f"{where}: position {end - 1} is past the max model length {self.max_model_len}")
+            raise InvalidStep(f"{where}: position {end - 1} is past the max model length {self.max_model_len}", c.seq_id)
         bad = [b for b in c.new_block_ids if not 0 <= b < self.cache.num_blocks]
         if bad:
-            raise InvalidStep(f"{where}: block id {bad[0]} is out of range [0, {self.cache.num_blocks})")
+            raise InvalidStep(f"{where}: block id {bad[0]} is out of range [0, {self.cache.num_blocks})", c.seq_id)
         have = (len(table) + len(c.new_block_ids)) * self.cache.block_size
         if have < end:
-            raise InvalidStep(f"{where}: blocks hold {have} tokens but positions up to {end - 1} are needed")
+            raise InvalidStep(f"{where}: blocks hold {have} tokens but positions up to {end - 1} are needed", c.seq_id)
 
     # ------------------------------------------------------------ the step
 
     @torch.inference_mode()
     def step(self, step: StepInput) -> list[StepResult]:
         self._check(step)
+        if self.fail_on_token >= 0 and any(self.fail_on_token in c.token_ids for c in step.chunks):
+            raise RuntimeError(f"injected fault: this step computes token {self.fail_on_token} (--fail-on-token)")
         if step.free_all:
             self.seqs.clear()
         for seq_id in step.free_seq_ids:

@@ -25,6 +25,7 @@ from worker_svc.sampling import SamplingParams
 
 log = logging.getLogger("conveyor.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+FAILED_SEQ = "conveyor-failed-seq"  # trailing metadata of a failed step: the sequence at fault
 
 
 # ---------------------------------------------------------------- protobuf <-> dataclasses
@@ -69,7 +70,7 @@ def check_sampling(seq_id: str, p: SamplingParams, vocab_size: int) -> None:
     ]
     for ok, message in problems:
         if not ok:
-            raise InvalidStep(f"sequence {seq_id!r}: {message}")
+            raise InvalidStep(f"sequence {seq_id!r}: {message}", seq_id)
 
 
 def step_from_pb(pb: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
@@ -142,10 +143,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if isinstance(item, Exception):
                     raise item
                 yield item.result()
-            except InvalidStep as exc:  # streams bypass the interceptor's mapping
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except grpc.RpcError:
                 return
+            except Exception as exc:  # noqa: BLE001 - streams bypass the interceptor's mapping
+                self._refuse(context, exc)
+
+    def _refuse(self, context, exc: Exception) -> None:
+        """End a step stream with the step's error, naming the sequence at fault when it is known (the
+        scheduler then blames that request alone; otherwise it finds it by running suspects alone)."""
+        seq_id = getattr(exc, "seq_id", None)
+        if seq_id:
+            context.set_trailing_metadata(((FAILED_SEQ, seq_id),))
+        if isinstance(exc, InvalidStep):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.error("step failed: %s", exc, exc_info=not isinstance(exc, RuntimeError))
+        context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
 
     def _run(self, step_id: int, step: StepInput) -> worker_pb2.StepResponse:
         start = time.perf_counter()
@@ -181,7 +193,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-bytes is smaller than one block ({block_bytes} bytes)")
     cache = KVCache.allocate(loaded.config, cfg.block_size, num_blocks, device, dtype)
-    runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed)
+    runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed, fail_on_token=cfg.fail_on_token)
     log.info(
         "loaded %s in %.2fs on %s (%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),

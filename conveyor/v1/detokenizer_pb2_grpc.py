@@ -57,8 +57,9 @@ class DetokenizerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Replay(self, request, context):
-        """Rebuild one request's text from Redis and return all of it (finished or not); later deltas go to
-        the given frontend. A frontend calls it when its stream is behind Redis, or a client resumed there.
+        """Rebuild one request's text from Redis and return all of it (finished or not). A frontend calls it
+        when its stream is behind Redis (frontend empty: delivery stays where Redis says), or when a client
+        resumed there (frontend set: later deltas go there; only the request's owner can resume).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63onveyor/v1/scheduler.proto\x12\x0b\x63onveyor.v1\"\x16\n\x14SchedulerInfoRequest\"\xa1\x01\n\x15SchedulerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\"#\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x0eSubmitResponse\x12\x0f\n\x07waiting\x18\x01 \x01(\r\"+\n\x15SchedulerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"7\n\rFinishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x10\n\x0e\x46inishResponse\"\x0e\n\x0cStatsRequest\"a\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\"\xe0\x01\n\rStatsResponse\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x0e\n\x06\x61\x62orts\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x04\x12+\n\x08requests\x18\t \x03(\x0b\x32\x19.conveyor.v1.RequestState\x12\x11\n\tworker_up\x18\n \x01(\x08\x32\xf2\x02\n\tScheduler\x12\x41\n\x06Submit\x12\x1a.conveyor.v1.SubmitRequest\x1a\x1b.conveyor.v1.SubmitResponse\x12P\n\x05\x41\x62ort\x12\".conveyor.v1.SchedulerAbortRequest\x1a#.conveyor.v1.SchedulerAbortResponse\x12\x41\n\x06\x46inish\x12\x1a.conveyor.v1.FinishRequest\x1a\x1b.conveyor.v1.FinishResponse\x12>\n\x05Stats\x12\x19.conveyor.v1.StatsRequest\x1a\x1a.conveyor.v1.StatsResponse\x12M\n\x04Info\x12!.conveyor.v1.SchedulerInfoRequest\x1a\".conveyor.v1.SchedulerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63onveyor/v1/scheduler.proto\x12\x0b\x63onveyor.v1\"\x16\n\x14SchedulerInfoRequest\"\xa1\x01\n\x15SchedulerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\"#\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x0eSubmitResponse\x12\x0f\n\x07waiting\x18\x01 \x01(\r\"+\n\x15SchedulerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"7\n\rFinishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x10\n\x0e\x46inishResponse\"\x0e\n\x0cStatsRequest\"\x83\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x05 \x01(\t\x12\r\n\x05owner\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\"\xe0\x01\n\rStatsResponse\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x0e\n\x06\x61\x62orts\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x04\x12+\n\x08requests\x18\t \x03(\x0b\x32\x19.conveyor.v1.RequestState\x12\x11\n\tworker_up\x18\n \x01(\x08\x32\xf2\x02\n\tScheduler\x12\x41\n\x06Submit\x12\x1a.conveyor.v1.SubmitRequest\x1a\x1b.conveyor.v1.SubmitResponse\x12P\n\x05\x41\x62ort\x12\".conveyor.v1.SchedulerAbortRequest\x1a#.conveyor.v1.SchedulerAbortResponse\x12\x41\n\x06\x46inish\x12\x1a.conveyor.v1.FinishRequest\x1a\x1b.conveyor.v1.FinishResponse\x12>\n\x05Stats\x12\x19.conveyor.v1.StatsRequest\x1a\x1a.conveyor.v1.StatsResponse\x12M\n\x04Info\x12!.conveyor.v1.SchedulerInfoRequest\x1a\".conveyor.v1.SchedulerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,10 +49,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINISHRESPONSE']._serialized_end=465
   _globals['_STATSREQUEST']._serialized_start=467
   _globals['_STATSREQUEST']._serialized_end=481
-  _globals['_REQUESTSTATE']._serialized_start=483
-  _globals['_REQUESTSTATE']._serialized_end=580
-  _globals['_STATSRESPONSE']._serialized_start=583
-  _globals['_STATSRESPONSE']._serialized_end=807
-  _globals['_SCHEDULER']._serialized_start=810
-  _globals['_SCHEDULER']._serialized_end=1180
+  _globals['_REQUESTSTATE']._serialized_start=484
+  _globals['_REQUESTSTATE']._serialized_end=615
+  _globals['_STATSRESPONSE']._serialized_start=618
+  _globals['_STATSRESPONSE']._serialized_end=842
+  _globals['_SCHEDULER']._serialized_start=845
+  _globals['_SCHEDULER']._serialized_end=1215
 # @@protoc_insertion_point(module_scope)

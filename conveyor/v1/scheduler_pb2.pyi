@@ -69,16 +69,20 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RequestState(_message.Message):
-    __slots__ = ("request_id", "status", "num_blocks", "num_output_tokens")
+    __slots__ = ("request_id", "client_id", "owner", "status", "num_blocks", "num_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
+    client_id: str
+    owner: str
     status: str
     num_blocks: int
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., owner: _Optional[str] = ..., status: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("steps", "running", "waiting", "num_blocks", "free_blocks", "preemptions", "aborts", "finished", "requests", "worker_up")
