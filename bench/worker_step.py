@@ -113,11 +113,13 @@ def main() -> None:
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers (ours only)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--numerics", choices=("exact", "fast"), default="exact",
+                        help="the worker's --numerics (transformers always computes the exact product)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32
-    loaded = load_model("default", dtype=dtype)
+    loaded = load_model("default", dtype=dtype, numerics=args.numerics)
     need = max(args.batches) * ((max(args.contexts) + args.steps + 2 + 16) // 16 + 1)
     need = max(need, args.prefill_batch * (args.prefill_len // 16 + 1))
     cache = KVCache.allocate(loaded.config, 16, need, "cpu", dtype)

@@ -55,6 +55,9 @@ class UpConfig:
     detokenizer_metrics_port: int = setting(9104, "detokenizer /metrics port (0: any free port)")
     metrics_host: str = setting("127.0.0.1", "address of every /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
     device: str = setting("auto", "worker device: auto, cpu, cuda or cuda:N")
+    numerics: str = setting("fast", "worker numerics on the CPU kernels: exact (the dequantized fp32 product) or "
+                                    "fast (int8 activations for decode batches, as llama.cpp)",
+                            choices=("exact", "fast"))
     kv_cache_bytes: int | None = setting(None, "worker KV cache budget, e.g. 512M", parse=parse_size)
     block_size: int = setting(16, "tokens per KV block")
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)")
@@ -253,6 +256,7 @@ def start(cfg: UpConfig) -> Stack:
         common = ["--log-level", cfg.log_level, "--metrics-host", cfg.metrics_host]
         redis_flags = ["--redis-prefix", cfg.redis_prefix]
         worker_flags = ["--model", cfg.model, "--port", str(ports["worker"]), "--device", cfg.device,
+                        "--numerics", cfg.numerics,
                         "--block-size", str(cfg.block_size), *common]
         if cfg.kv_cache_bytes is not None:
             worker_flags += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]

@@ -52,9 +52,10 @@ FREE_METRICS_FLAGS = [a for name in ("frontend", "scheduler", "worker", "detoken
 
 
 def start_stack(data_dir, **overrides) -> launcher.Stack:
-    """``conveyor up``'s stack on free ports (metrics included), quiet logs; ``overrides``: UpConfig fields."""
+    """``conveyor up``'s stack on free ports (metrics included), quiet logs; ``overrides``: UpConfig fields.
+    Exact numerics unless overridden: tests compare greedy outputs across batchings and with transformers."""
     settings = dict(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                    data_dir=str(data_dir), log_level="WARNING", **FREE_METRICS_PORTS)
+                    data_dir=str(data_dir), log_level="WARNING", numerics="exact", **FREE_METRICS_PORTS)
     return launcher.start(launcher.UpConfig(**(settings | overrides)))
 
 

@@ -21,7 +21,8 @@ KV_BYTES = 64 << 20
 @pytest.fixture(scope="module")
 def worker():
     port = free_port()
-    proc = spawn("serve", "worker", "--port", str(port), "--kv-cache-bytes", "64M", "--block-size", "16")
+    proc = spawn("serve", "worker", "--port", str(port), "--kv-cache-bytes", "64M", "--block-size", "16",
+                 "--numerics", "exact")  # compared with the in-process runner, token for token
     address = f"127.0.0.1:{port}"
     try:
         wait_serving(address, "conveyor.v1.Worker", proc)

@@ -28,6 +28,7 @@ from worker_svc.packed import PackedEmbedding, PackedLinear
 log = logging.getLogger(__name__)
 
 SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
+NUMERICS = {"exact": 0, "fast": 2}  # int8 passes of the activations in PackedLinear (0: the exact product)
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
 # GGUF quant types we promise to read (gguf.quants can dequantize more; those are accepted too).
 GGUF_BASE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -49,13 +50,19 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
     cpu_kernels: str = "auto",
+    numerics: str = "exact",
 ) -> LoadedModel:
     """Load ``path`` (``"default"``, a ``.gguf`` file or a HF folder) onto ``device`` in ``dtype``.
 
     ``cpu_kernels``: "auto" keeps a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized and multiplies
     with the CPU kernels when running fp32 on a CPU that has them; "on" insists (error if it
     cannot); "off" always dequantizes to dense weights (the path CUDA takes).
+    ``numerics``: "exact" computes the dequantized fp32 product (logits within 1e-4 of
+    transformers); "fast" lets quantized layers multiply decode batches (up to 8 rows) with
+    activations quantized to int8 per block of 32, as llama.cpp does (``worker_svc.cpu_kernels``).
     """
+    if numerics not in NUMERICS:
+        raise ValueError(f"--numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     source = resolve_model(path)
     device = torch.device(device)
     packed = _use_packed(cpu_kernels, source, device, dtype)
@@ -79,6 +86,9 @@ def load_model(
     model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
     model.use_cpu_kernels(_use_cpu_kernels(cpu_kernels, device, dtype))
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.passes = NUMERICS[numerics]
     return LoadedModel(model, config, load_tokenizer(source), source.name, limit, packed)
 
 

@@ -24,16 +24,18 @@ class PackedLinear(nn.Module):
         self.qtype = qtype
         self.in_features = in_features
         self.out_features = qweight.shape[0]
+        self.passes = 0  # int8 passes of x for decode batches (``--numerics fast``); 0: exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = cpu_kernels.qgemm(x.reshape(-1, self.in_features).float(), self.qweight, self.qtype, self.out_features)
+        y = cpu_kernels.qgemm(x.reshape(-1, self.in_features).float(), self.qweight, self.qtype, self.out_features,
+                              self.passes)
         if self.bias is not None:
             y += self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, passes={self.passes}"
 
 
 class PackedEmbedding(nn.Module):

@@ -187,7 +187,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     dtype = resolve_dtype(cfg.dtype, device)
     started = time.perf_counter()
     loaded = load_model(cfg.model, device=device, dtype=dtype, max_model_len=cfg.max_model_len,
-                        cpu_kernels=cfg.cpu_kernels)
+                        cpu_kernels=cfg.cpu_kernels, numerics=cfg.numerics)
     block_bytes = bytes_per_block(loaded.config, cfg.block_size, dtype)
     num_blocks = kv_budget_bytes(device, cfg.kv_cache_bytes, cfg.gpu_memory_fraction) // block_bytes
     if num_blocks < 1:
@@ -197,7 +197,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     log.info(
         "loaded %s in %.2fs on %s (%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),
-        ", quantized weights + CPU kernels" if loaded.packed else ", CPU kernels" if loaded.model.cpu_kernels else "",
+        f", quantized weights + CPU kernels, {cfg.numerics} numerics" if loaded.packed else ", CPU kernels" if loaded.model.cpu_kernels else "",
         num_blocks, cfg.block_size, num_blocks * cfg.block_size, num_blocks * block_bytes / 2**20,
     )
     info = worker_pb2.InfoResponse(
