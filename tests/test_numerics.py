@@ -86,7 +86,7 @@ def test_fast_numerics_agree_with_transformers_teacher_forced(fast_model, hf_mod
     texts = [tok.encode((ROOT / name).read_text())[:POSITIONS] for name in TEXTS]
     agree, total, errors = 0, 0, []
     for pair in (texts[:2], texts[2:]):  # 2 rows a step: the fast kernel's decode batch
-        assert len(pair) <= cpu_kernels.FAST_MAX_ROWS
+        assert len(pair) <= cpu_kernels.fast_max_rows()
         preds, logprobs = _teacher_forced(fast_model, pair)
         for ids, pred, lp in zip(pair, preds, logprobs):
             reference = torch.log_softmax(hf_logits(hf_model, ids[:-1]), dim=-1)

@@ -254,6 +254,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.cpu_kernels = False
+        self._stack: tuple[tuple[int, ...], cpu_kernels.DecoderStack] | None = None  # (cache pointers, stack)
 
     def use_cpu_kernels(self, enabled: bool = True) -> None:
         """Run norms, RoPE, attention and SwiGLU with ``worker_svc.cpu_kernels`` (fp32 on a CPU)."""
@@ -265,6 +266,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,); kv_caches: per layer (k_cache, v_cache). Returns (T, hidden)."""
         x = self.embed_tokens(input_ids)
+        stack = self._decoder_stack(kv_caches)
+        if stack is not None:  # every layer in one native call (same kernels, same order)
+            return stack.forward(x.contiguous(), meta.slot_mapping, meta.block_tables, meta.token_seq, meta.token_pos)
         if self.cpu_kernels:
             cos, sin = self.rotary.cos, self.rotary.sin  # whole tables; the kernel indexes them
         else:
@@ -273,6 +277,47 @@ class LlamaModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
         return self.norm(x, residual)[0]
+
+    def _decoder_stack(self, kv_caches) -> cpu_kernels.DecoderStack | None:
+        """The native decoder stack, when the CPU kernels run and every linear layer is quantized."""
+        if not self.cpu_kernels:
+            return None
+        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, self._build_stack(kv_caches))
+        return self._stack[1]
+
+    def _build_stack(self, kv_caches) -> cpu_kernels.DecoderStack | None:
+        from worker_svc.packed import PackedLinear
+
+        cfg, keep = self.cfg, []
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            """The address of a tensor's memory, which the stack then reads (and the KV cache's, writes)."""
+            if t is None:
+                return None
+            if not t.is_contiguous() or t.dtype not in (torch.float32, torch.uint8):
+                raise ValueError(f"the native decoder stack needs contiguous fp32 or uint8 tensors, got {t.dtype}")
+            keep.append(t)
+            return t.data_ptr()
+
+        def linear(m) -> cpu_kernels.QLinear:
+            return cpu_kernels.QLinear(ptr(m.qweight), ptr(m.bias), m.in_features, m.out_features, m.qtype, m.passes)
+
+        linears = [getattr(layer.self_attn, n) for layer in self.layers for n in ("qkv_proj", "o_proj")]
+        linears += [getattr(layer.mlp, n) for layer in self.layers for n in ("gate_up_proj", "down_proj")]
+        if not all(isinstance(m, PackedLinear) for m in linears):
+            return None  # dense weights (a Hugging Face folder): the module path
+        layers = [
+            cpu_kernels.Layer(ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+                              linear(layer.self_attn.qkv_proj), linear(layer.self_attn.o_proj),
+                              linear(layer.mlp.gate_up_proj), linear(layer.mlp.down_proj), ptr(k), ptr(v))
+            for layer, (k, v) in zip(self.layers, kv_caches)
+        ]
+        dims = cpu_kernels.Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                kv_caches[0][0].shape[1], cfg.rms_norm_eps, cfg.head_dim**-0.5, ptr(self.rotary.cos),
+                                ptr(self.rotary.sin), ptr(self.norm.weight))
+        return cpu_kernels.DecoderStack(layers, dims, keep)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in fp32."""

@@ -32,13 +32,36 @@ from conveyor.cache import cache_root, write_atomic
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("qgemm.c", "qdot.c", "attention.c", "elementwise.c")]
+SOURCES = [HERE / name for name in ("qgemm.c", "qdot.c", "attention.c", "elementwise.c", "layers.c")]
 HEADERS = [HERE / "simd.h"]
 # -ffp-contract=off: a * b + c in plain C stays two roundings, as in PyTorch (intrinsics are explicit)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
 # ggml type ids -> bytes per block of 32 weights
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
 QK = 32
+
+
+class QLinear(ctypes.Structure):
+    """layers.c's QLinear: one quantized linear layer."""
+
+    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("in_", ctypes.c_int64),
+                ("out", ctypes.c_int64), ("type", ctypes.c_int32), ("passes", ctypes.c_int32)]
+
+
+class Layer(ctypes.Structure):
+    """layers.c's Layer: a decoder layer's weights and its KV cache."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", QLinear), ("o", QLinear),
+                ("gate_up", QLinear), ("down", QLinear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class Dims(ctypes.Structure):
+    """layers.c's Dims: the model's shapes and shared tables."""
+
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p)]
 
 
 def _cpu_flags() -> set[str]:
@@ -85,8 +108,14 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.qgemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.qgemm.restype = ctypes.c_int
-    lib.qgemm_q8dot.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.qgemm_q8dot.restype = ctypes.c_int
+    lib.qgemm_auto.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.qgemm_auto.restype = ctypes.c_int
+    lib.qdot_max_rows.restype = ctypes.c_int
+    lib.decoder_scratch.argtypes = [ctypes.POINTER(Dims), i64]
+    lib.decoder_scratch.restype = i64
+    lib.decoder_forward.argtypes = [ctypes.POINTER(Layer), i64, ctypes.POINTER(Dims), ptr, i64, ptr, ptr, i64, ptr,
+                                    ptr, ptr, ptr]
+    lib.decoder_forward.restype = ctypes.c_int
     lib.qdequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qdequant_rows.restype = ctypes.c_int
     f32 = ctypes.c_float
@@ -114,23 +143,20 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-# The integer-dot path serves up to this many rows (decode at batch 1-2, where it is ~1.6x faster than the
-# exact kernel); with more rows the exact kernel's tiles amortize expanding the weights as well.
-FAST_MAX_ROWS = 2
+def fast_max_rows() -> int:
+    """Most rows the integer-dot path serves (decode batches; more rows take the exact kernel)."""
+    return _lib().qdot_max_rows()
 
 
 def qgemm(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int, passes: int = 0) -> torch.Tensor:
     """x: (M, K) fp32 -> (M, N) fp32, with qweight the (N, K/32 * block bytes) uint8 GGUF blocks.
-    ``passes`` 1 or 2: for M <= FAST_MAX_ROWS, x is quantized to that many int8 blocks (each the rest of
-    the one before) and multiplied with integer dots; 0: the exact fp32 product."""
+    ``passes`` 1 or 2: for M <= ``fast_max_rows()``, x is quantized to that many int8 blocks (each the
+    rest of the one before) and multiplied with integer dots; 0: the exact fp32 product."""
     lib = _lib()
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    if passes and m <= FAST_MAX_ROWS:
-        code = lib.qgemm_q8dot(qtype, x.data_ptr(), m, k, qweight.data_ptr(), out_features, y.data_ptr(), passes)
-    else:
-        code = lib.qgemm(qtype, x.data_ptr(), m, k, qweight.data_ptr(), out_features, y.data_ptr())
+    code = lib.qgemm_auto(qtype, x.data_ptr(), m, k, qweight.data_ptr(), out_features, y.data_ptr(), passes)
     if code != 0:
         raise ValueError(f"qgemm: unsupported type {qtype} or K={k}")
     return y
@@ -198,3 +224,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n2 // 2, dtype=torch.float32)
     _lib().silu_mul(gate_up.data_ptr(), rows, n2 // 2, out.data_ptr())
     return out
+
+
+class DecoderStack:
+    """The decoder layers of a model whose linear layers are all quantized, run by one native call
+    (``layers.c``): the same kernels in the same order as the module-by-module path, without its
+    per-op Python. Built once per KV cache; the scratch buffer grows to the largest step seen."""
+
+    def __init__(self, layers: list, dims: Dims, keep: list):
+        self.layers = (Layer * len(layers))(*layers)
+        self.dims = dims
+        self._keep = keep  # the tensors whose memory the structures point into
+        self.scratch = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, slot_mapping, block_tables, token_seq, token_pos) -> torch.Tensor:
+        """x: (T, hidden) embedded tokens (overwritten: the residual stream). Returns the final norm (T, hidden)."""
+        lib = _lib()
+        t = x.shape[0]
+        need = lib.decoder_scratch(ctypes.byref(self.dims), t)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.float32)
+        out = torch.empty_like(x)
+        code = lib.decoder_forward(self.layers, len(self.layers), ctypes.byref(self.dims), x.data_ptr(), t,
+                                   slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                                   token_seq.data_ptr(), token_pos.data_ptr(), self.scratch.data_ptr(), out.data_ptr())
+        if code != 0:
+            raise ValueError("decoder_forward: a kernel rejected the shapes")
+        return out

@@ -1,0 +1,86 @@
+// The whole decoder stack in one call, for a model whose linear layers are all GGUF-quantized.
+//
+// The same kernels, in the same order, as the Python CPU-kernel path of worker_svc/model.py (so
+// the same numbers): per layer add_rms_norm, qkv, rope_store + paged_attention, o, add_rms_norm,
+// gate_up, silu_mul, down; then the final norm. What it saves is Python: at batch 1 a decoder layer
+// is ~1 ms of arithmetic spread over eight kernel calls, each of which cost microseconds of module
+// dispatch, tensor allocation and ctypes argument conversion (~2 ms a step over 30 layers).
+// Activations live in one scratch buffer the caller owns (no allocation per call).
+
+#include <stdint.h>
+#include <string.h>
+
+int qgemm_auto(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes);
+int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                    const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
+                    int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out);
+void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const int32_t *pos, const float *cos,
+                const float *sin, const int64_t *slots, float *k_cache, float *v_cache);
+void add_rms_norm(float *x, const float *add, const float *w, int64_t rows, int64_t n, float eps, float *out);
+void silu_mul(const float *gu, int64_t rows, int64_t n, float *out);
+
+typedef struct {
+    const uint8_t *weight;  // (out, in / 32 * block bytes) GGUF blocks
+    const float *bias;      // (out,) or NULL
+    int64_t in, out;
+    int32_t type;           // ggml type id
+    int32_t passes;         // int8 passes of x for few rows (0: exact)
+} QLinear;
+
+typedef struct {
+    const float *input_norm, *post_norm;  // (hidden,)
+    QLinear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;  // (num_blocks, block_size, Hkv, D)
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const float *cos, *sin;  // (positions, head_dim) RoPE tables
+    const float *final_norm;
+} Dims;
+
+static int linear(const QLinear *l, const float *x, int64_t rows, float *y) {
+    if (qgemm_auto(l->type, x, rows, l->in, l->weight, l->out, y, l->passes) != 0) return -1;
+    if (l->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < l->out; i++) y[r * l->out + i] += l->bias[i];
+    return 0;
+}
+
+// Floats of scratch needed for T tokens.
+int64_t decoder_scratch(const Dims *d, int64_t T) {
+    const int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
+    return T * (2 * d->hidden + qkv + d->heads * d->head_dim + 3 * d->intermediate);
+}
+
+// x: (T, hidden) embedded tokens, used as the residual stream; out: (T, hidden) the final norm of the
+// last layer's output. Attention metadata as for paged_attention / rope_store. Returns 0, or -1 on
+// a shape a kernel rejects.
+int decoder_forward(const Layer *layers, int64_t num_layers, const Dims *d, float *x, int64_t T,
+                    const int64_t *slots, const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq,
+                    const int32_t *q_pos, float *scratch, float *out) {
+    const int64_t hd = d->heads * d->head_dim, qkv_width = (d->heads + 2 * d->kv_heads) * d->head_dim;
+    float *h = scratch;                           // (T, hidden) a layer's output
+    float *normed = h + T * d->hidden;            // (T, hidden)
+    float *qkv = normed + T * d->hidden;          // (T, qkv_width)
+    float *attn = qkv + T * qkv_width;            // (T, heads * head_dim)
+    float *gate_up = attn + T * hd;               // (T, 2 * intermediate)
+    float *act = gate_up + T * 2 * d->intermediate;  // (T, intermediate)
+    for (int64_t i = 0; i < num_layers; i++) {
+        const Layer *l = &layers[i];
+        add_rms_norm(x, i == 0 ? NULL : h, l->input_norm, T, d->hidden, d->eps, normed);
+        if (linear(&l->qkv, normed, T, qkv)) return -1;
+        rope_store(qkv, T, d->heads, d->kv_heads, d->head_dim, q_pos, d->cos, d->sin, slots, l->k_cache, l->v_cache);
+        if (paged_attention(qkv, qkv_width, l->k_cache, l->v_cache, block_tables, max_blocks, q_seq, q_pos, T,
+                            d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn))
+            return -1;
+        if (linear(&l->o, attn, T, h)) return -1;
+        add_rms_norm(x, h, l->post_norm, T, d->hidden, d->eps, normed);
+        if (linear(&l->gate_up, normed, T, gate_up)) return -1;
+        silu_mul(gate_up, T, d->intermediate, act);
+        if (linear(&l->down, act, T, h)) return -1;
+    }
+    add_rms_norm(x, num_layers ? h : NULL, d->final_norm, T, d->hidden, d->eps, out);
+    return 0;
+}
