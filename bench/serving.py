@@ -92,15 +92,16 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating served / bare rounds per concurrency")
+    parser.add_argument("--numerics", choices=("exact", "fast"), default="fast", help="the worker's --numerics (both sides)")
     args = parser.parse_args()
 
-    loaded = load_model("default")
+    loaded = load_model("default", numerics=args.numerics)
     need = max(args.concurrency) * ((args.prompt_tokens + args.max_tokens + 32) // 16 + 1)
     runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, "cpu", torch.float32),
                          loaded.max_model_len, seed=0)
     free = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
     stack = start(UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                           kv_cache_bytes=1 << 30, log_level="WARNING", **free))
+                           kv_cache_bytes=1 << 30, log_level="WARNING", numerics=args.numerics, **free))
     try:
         with Client(stack.endpoint, timeout=1200) as client:
             prompt = prompt_text(client, args.prompt_tokens)

@@ -1,26 +1,33 @@
-"""``conveyor bench``: a serving benchmark against a running stack, through the SDK.
+"""``conveyor bench``: a serving benchmark against a running stack (through the SDK) or any server with
+the OpenAI completions API (llama.cpp's llama-server, vLLM, SGLang, TGI), with the same prompts and
+percentiles, so that they can be compared side by side (``bench/side_by_side.py`` does).
 
     conveyor bench --concurrency 1 8 32 --num-requests 32 --prompt-tokens 128 --max-tokens 64 \\
         --json bench.json --plot bench.png
     conveyor bench --rate 0.5 1 2 --num-requests 40          # Poisson arrivals, requests/s
+    conveyor bench --backend openai --target http://127.0.0.1:8080 --concurrency 1 8
 
 Each level sends ``--num-requests`` requests (after ``--warmup`` untimed ones): either ``c`` at a
 time (fixed concurrency) or arriving as a Poisson process at a rate. Prompts are exactly
 ``--prompt-tokens`` tokens (random single-token words, drawn with ``--seed``, checked with the
-server's Tokenize) and outputs exactly ``--max-tokens`` (``ignore_eos``). Reported per level:
+server's Tokenize, or with ``--model``'s tokenizer for an OpenAI server) and outputs exactly
+``--max-tokens`` (``ignore_eos``; an OpenAI server streams one token per event). Reported per level:
 requests/s, output tokens/s, TTFT / TPOT / ITL / end-to-end at p50 / p90 / p99, and failures.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
 
 from conveyor.client import Client
 from conveyor.config import require, setting
@@ -33,7 +40,11 @@ WORDS = ("the cat dog sun sea sky red blue tree book road home time day way man 
 
 @dataclass
 class BenchConfig:
-    target: str = setting("127.0.0.1:50051", "the frontend's address")
+    target: str = setting("127.0.0.1:50051", "the frontend's address (--backend openai: the server's base URL)")
+    backend: str = setting("conveyor", "conveyor: the gRPC API through the SDK; openai: POST /v1/completions with "
+                                       "stream=true (llama-server, vLLM, ...)", choices=("conveyor", "openai"))
+    model: str = setting("default", "--backend openai: the model whose tokenizer makes the exact-length prompts "
+                                    "(a --model value); its file name is sent as the model")
     api_key: str = setting("", "API key of the server (prefer the environment variable)", secret=True)
     ca_cert: str = setting("", "PEM CA that signed the server's certificate (TLS)")
     concurrency: list[int] = setting(None, "fixed-concurrency levels to sweep (default: 1 8 32 unless --rate)", nargs="+")
@@ -65,7 +76,7 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list)  # arrival of each output token, since start
     end: float | None = None
     output_tokens: int = 0
-    prompt_tokens: int = 0  # as the server counted them
+    prompt_tokens: int = 0  # as asked (prompts are made to be exactly this long)
     error: str | None = None
 
     @property
@@ -79,7 +90,73 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def make_prompts(client: Client, count: int, tokens: int, seed: int) -> list[str]:
+class ConveyorBackend:
+    """Conveyor's gRPC API through the SDK."""
+
+    def __init__(self, client: Client, cfg: BenchConfig):
+        self.client, self.cfg = client, cfg
+        info = client.server_info()
+        self.description = f"{info.model_name} on {info.worker} at {cfg.target}"
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.client.tokenize(text)
+
+    def stream(self, prompt: str) -> Iterator[int]:
+        """Streams one request; yields the number of output tokens in each piece that arrives."""
+        for delta in self.client.stream(prompt, max_tokens=self.cfg.max_tokens, ignore_eos=True, temperature=0.0,
+                                        timeout=self.cfg.timeout):
+            yield len(delta.token_ids)
+
+
+class OpenAIBackend:
+    """POST ``/v1/completions`` with ``stream: true`` (server-sent events), greedy, ``ignore_eos``, prompt
+    cache off where the server has one (llama-server's ``cache_prompt``). Each event is one token, as
+    llama-server and vLLM stream them. Plain HTTP with the standard library: one connection a request."""
+
+    def __init__(self, cfg: BenchConfig):
+        from conveyor.model_files import resolve_model
+        from conveyor.tokenizer import load_tokenizer
+
+        self.cfg = cfg
+        url = urlsplit(cfg.target if "://" in cfg.target else f"http://{cfg.target}")
+        self.host, self.port, self.scheme = url.hostname, url.port, url.scheme
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.model = resolve_model(cfg.model).path.name
+        self.description = f"{self.model} at {cfg.target} (OpenAI completions API)"
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def stream(self, prompt: str) -> Iterator[int]:
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 0.0,
+                           "stream": True, "ignore_eos": True, "cache_prompt": False})
+        headers = {"Content-Type": "application/json"}
+        if self.cfg.api_key:
+            headers["Authorization"] = f"Bearer {self.cfg.api_key}"
+        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=self.cfg.timeout)
+        try:
+            conn.request("POST", "/v1/completions", body, headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise ConveyorError(f"HTTP {response.status}: {response.read(500).decode(errors='replace')}")
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                if event.get("choices"):
+                    yield 1
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise ConveyorError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+
+
+def make_prompts(client, count: int, tokens: int, seed: int) -> list[str]:
     """``count`` prompts of exactly ``tokens`` tokens: random words that are one token each."""
     rng = random.Random(seed)
     single = [w for w in WORDS if len(client.tokenize(" " + w)) == 1]
@@ -99,17 +176,15 @@ def make_prompts(client: Client, count: int, tokens: int, seed: int) -> list[str
     return prompts
 
 
-def one_request(client: Client, prompt: str, cfg: BenchConfig, level_start: float) -> RequestResult:
-    result = RequestResult(start=time.perf_counter() - level_start)
+def one_request(backend, prompt: str, cfg: BenchConfig, level_start: float) -> RequestResult:
+    result = RequestResult(start=time.perf_counter() - level_start, prompt_tokens=cfg.prompt_tokens)
     try:
-        for delta in client.stream(prompt, max_tokens=cfg.max_tokens, ignore_eos=True, temperature=0.0,
-                                   timeout=cfg.timeout):
+        for count in backend.stream(prompt):
             now = time.perf_counter() - level_start
-            if delta.token_ids and result.ttft is None:
+            if count and result.ttft is None:
                 result.ttft = now - result.start
-            result.token_times += [now] * len(delta.token_ids)
-            result.output_tokens += len(delta.token_ids)
-            result.prompt_tokens = delta.prompt_tokens or result.prompt_tokens
+            result.token_times += [now] * count
+            result.output_tokens += count
         result.end = time.perf_counter() - level_start
     except ConveyorError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -138,18 +213,18 @@ class Progress:
         sys.stderr.flush()
 
 
-def run_level(client: Client, prompts: list[str], cfg: BenchConfig, concurrency: int | None = None,
+def run_level(backend, prompts: list[str], cfg: BenchConfig, concurrency: int | None = None,
               rate: float | None = None) -> tuple[list[RequestResult], float]:
     """All requests of one level; returns the results and the level's wall time."""
     label = f"concurrency {concurrency}" if rate is None else f"rate {rate:g}/s"
     for prompt in prompts[: cfg.warmup]:
-        one_request(client, prompt, cfg, time.perf_counter())
+        one_request(backend, prompt, cfg, time.perf_counter())
     timed = prompts[cfg.warmup :]
     progress = Progress(label, len(timed))
     start = time.perf_counter()
 
     def job(prompt: str) -> RequestResult:
-        result = one_request(client, prompt, cfg, start)
+        result = one_request(backend, prompt, cfg, start)
         progress.tick()
         return result
 
@@ -243,25 +318,36 @@ def plot(levels: list[tuple[str, list[RequestResult]]], path: str) -> None:
     plt.close(fig)
 
 
+def sweep(backend, cfg: BenchConfig) -> list[tuple[str, list[RequestResult], float]]:
+    """Every level of ``cfg`` against ``backend``: (label, results, wall seconds)."""
+    print(f"{backend.description}: prompts {cfg.prompt_tokens} tokens, outputs {cfg.max_tokens} tokens, "
+          f"{cfg.num_requests} requests per level (+{cfg.warmup} warm-up), seed {cfg.seed}", flush=True)
+    prompts = make_prompts(backend, cfg.num_requests + cfg.warmup, cfg.prompt_tokens, cfg.seed)
+    levels: list[tuple[str, list[RequestResult], float]] = []
+    for c in cfg.concurrency or []:
+        results, wall = run_level(backend, prompts, cfg, concurrency=c)
+        levels.append((f"concurrency {c}", results, wall))
+    for r in cfg.rate or []:
+        results, wall = run_level(backend, prompts, cfg, rate=r)
+        levels.append((f"rate {r:g}/s", results, wall))
+    return levels
+
+
 def run(cfg: BenchConfig) -> int:
-    with Client(cfg.target, timeout=cfg.timeout, api_key=cfg.api_key or None, ca_cert=cfg.ca_cert or None) as client:
-        info = client.server_info()
-        print(f"{info.model_name} on {info.worker} at {cfg.target}: prompts {cfg.prompt_tokens} tokens, outputs "
-              f"{cfg.max_tokens} tokens, {cfg.num_requests} requests per level (+{cfg.warmup} warm-up), seed {cfg.seed}",
-              flush=True)
-        prompts = make_prompts(client, cfg.num_requests + cfg.warmup, cfg.prompt_tokens, cfg.seed)
-        levels: list[tuple[str, list[RequestResult], float]] = []
-        for c in cfg.concurrency or []:
-            results, wall = run_level(client, prompts, cfg, concurrency=c)
-            levels.append((f"concurrency {c}", results, wall))
-        for r in cfg.rate or []:
-            results, wall = run_level(client, prompts, cfg, rate=r)
-            levels.append((f"rate {r:g}/s", results, wall))
+    if cfg.backend == "openai":
+        backend = OpenAIBackend(cfg)
+        model = backend.model
+        levels = sweep(backend, cfg)
+    else:
+        with Client(cfg.target, timeout=cfg.timeout, api_key=cfg.api_key or None, ca_cert=cfg.ca_cert or None) as client:
+            backend = ConveyorBackend(client, cfg)
+            model = backend.description
+            levels = sweep(backend, cfg)
     summaries = [(label, summarize(results, wall)) for label, results, wall in levels]
     print_table(summaries)
     if cfg.json:
         with open(cfg.json, "w") as f:
-            json.dump({"config": asdict(cfg), "model": info.model_name,
+            json.dump({"config": asdict(cfg), "model": model,
                        "levels": [{"level": label, "summary": s, "requests": [asdict(r) for r in results]}
                                   for (label, s), (_, results, _) in zip(summaries, levels)]}, f, indent=1)
         print(f"results: {cfg.json}")

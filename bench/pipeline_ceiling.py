@@ -1,0 +1,126 @@
+"""What the pipeline itself costs per output token: a model so small that the worker's arithmetic is
+negligible, served through the real stack (frontend, scheduler, worker, detokenizer, Redis).
+
+    python bench/pipeline_ceiling.py                      # 1, 32 and 128 streams
+    python bench/pipeline_ceiling.py --streams 128 --max-tokens 128
+
+The model is made here: a 1-layer Llama with hidden size 64 and random weights, with the default
+model's tokenizer (vocabulary 49,152), written as a Hugging Face folder in a temporary directory.
+For each level, ``streams`` clients stream at once (greedy, ``ignore_eos``, 16-token prompts); the
+table gives output tokens/s and each process's CPU time per output token (user + system, from
+/proc), the benchmark client's own included. On a GPU host this per-token CPU is what caps
+throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from conveyor.client import Client  # noqa: E402
+from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def make_tiny_model(folder: Path) -> Path:
+    """A random 1-layer Llama (hidden 64) with the default model's tokenizer, as a Hugging Face folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from conveyor.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    vocab, hidden, inter, heads, kv_heads = tokenizer.vocab_size, 64, 128, 4, 2
+    head_dim = hidden // heads
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+              "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+              "eos_token_id": list(tokenizer.eos_token_ids), "bos_token_id": tokenizer.bos_token_id}
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden),
+               "model.layers.0.input_layernorm.weight": torch.ones(hidden),
+               "model.layers.0.post_attention_layernorm.weight": torch.ones(hidden),
+               "model.layers.0.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+               "model.layers.0.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+               "model.layers.0.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+               "model.layers.0.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+               "model.layers.0.mlp.gate_proj.weight": rand(inter, hidden),
+               "model.layers.0.mlp.up_proj.weight": rand(inter, hidden),
+               "model.layers.0.mlp.down_proj.weight": rand(hidden, inter)}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template}))
+    return folder
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+
+
+def level(client: Client, pids: dict[str, int], streams: int, requests: int, max_tokens: int) -> dict:
+    prompt = " ".join(["hello"] * 16)
+
+    def one(_):
+        count = 0
+        for delta in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0):
+            count += len(delta.token_ids)
+        return count
+
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = sum(pool.map(one, range(requests)))
+    wall = time.perf_counter() - start
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    return {"tokens_per_second": tokens / wall, "cpu_ms_per_token": {n: 1000 * s / tokens for n, s in used.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "tiny-llama")
+        stack = start(UpConfig(model=str(model), port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0,
+                               deliver_port=0, kv_cache_bytes=256 << 20, max_num_seqs=256, log_level="WARNING",
+                               data_dir=str(Path(tmp) / "redis"),
+                               **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}))
+        try:
+            pids = {c.name: c.process.pid for c in stack.children}
+            pids["client"] = os.getpid()
+            names = ["frontend", "scheduler", "worker", "detokenizer", "redis", "client"]
+            with Client(stack.endpoint, timeout=600) as client:
+                level(client, pids, 4, 4, 8)  # warm-up
+                print(f"tiny random Llama (1 layer, hidden 64, vocab 49,152), {args.max_tokens} output tokens per "
+                      f"request, {os.cpu_count()} cores")
+                print(f"{'streams':>8}{'tok/s':>10}   CPU ms per output token: " + "".join(f"{n:>12}" for n in names))
+                for streams in args.streams:
+                    r = level(client, pids, streams, streams * args.requests_per_stream, args.max_tokens)
+                    cpu = r["cpu_ms_per_token"]
+                    print(f"{streams:>8}{r['tokens_per_second']:10.1f}{'':28}" + "".join(f"{cpu[n]:12.3f}" for n in names),
+                          flush=True)
+        finally:
+            stack.stop()
+
+
+if __name__ == "__main__":
+    main()
