@@ -39,7 +39,7 @@ def sampling_pb(request: Request) -> worker_pb2.SamplingParams:
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, seed=p.seed, min_tokens=p.min_tokens,
-        stop_token_ids=request.stop_ids, top_logprobs=p.logprobs or 0,
+        stop_token_ids=request.stop_ids, top_logprobs=p.logprobs or 0, logprobs=p.logprobs is not None,
     )
 
 

@@ -94,7 +94,7 @@ class TinyScheduler:
         from worker_svc.runner import SeqChunk, StepInput
         from worker_svc.sampling import SamplingParams
 
-        params = params or [SamplingParams(temperature=0.0)] * len(prompts)
+        params = params or [SamplingParams(temperature=0.0, logprobs=True)] * len(prompts)
         if not together:
             outs = [self.run([p], max_tokens, [q]) for p, q in zip(prompts, params)]
             return [o[0][0] for o in outs], [o[1][0] for o in outs]

@@ -170,3 +170,16 @@ def test_seeded_draws_survive_a_recompute(default_model, chat_prompts):
         pos = len(tokens) + len(resumed) - 1
         resumed.append(runner.step(StepInput([SeqChunk("r", [resumed[-1]], pos, [], True)]))[0].sampled.token_id)
     assert resumed == full[0][10:]
+
+
+def test_logprobs_are_computed_only_for_the_rows_that_ask():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    rows = [SampleRow(SamplingParams(temperature=0.0), [], []),
+            SampleRow(SamplingParams(temperature=0.0, logprobs=True), [], []),
+            SampleRow(SamplingParams(temperature=0.0, top_logprobs=2), [], [])]
+    results = sample(logits.clone(), rows)
+    assert [r.token_id for r in results] == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, dim=-1).max(-1).values.tolist()
+    assert results[0].logprob == 0.0 and results[0].top_logprobs == []  # not asked: no vocabulary-wide softmax
+    assert results[1].logprob == pytest.approx(expected[1], abs=1e-6) and results[1].top_logprobs == []
+    assert results[2].logprob == pytest.approx(expected[2], abs=1e-6) and len(results[2].top_logprobs) == 2

@@ -188,22 +188,23 @@ class ModelRunner:
         return [StepResult(c.seq_id, r) for c, r in zip(sampled, sample(logits, sample_rows, self.generator))]
 
     def _prepare(self, order: list[SeqChunk], staged: dict[str, SeqState]):
-        """Flat token batch, positions and the attention metadata (built on CPU, moved once)."""
+        """Flat token batch, positions and the attention metadata (built on CPU, moved once). Built from
+        Python ints and turned into tensors once per step, not once per sequence: at a few hundred
+        sequences a step, per-sequence tensor construction cost more than a small model's forward."""
         bs = self.cache.block_size
         ids, pos, slots, last_rows = [], [], [], {}
         tables = [staged[c.seq_id].block_table for c in order]
-        rows = 0
         for c, table in zip(order, tables):
-            p = torch.arange(c.start_pos, c.start_pos + len(c.token_ids))
-            ids.append(torch.tensor(c.token_ids))
-            pos.append(p)
-            slots.append(_slots(table, p, bs))
-            rows += len(c.token_ids)
-            last_rows[c.seq_id] = rows - 1
+            span = range(c.start_pos, c.start_pos + len(c.token_ids))
+            ids += c.token_ids
+            pos += span
+            slots += [table[q // bs] * bs + q % bs for q in span]
+            last_rows[c.seq_id] = len(ids) - 1
+        input_ids, positions, slot_mapping = torch.tensor(ids), torch.tensor(pos), torch.tensor(slots)
         if self.model.cpu_kernels:
-            return torch.cat(ids), torch.cat(pos), self._kernel_metadata(order, tables, pos, slots), last_rows
+            return input_ids, positions, self._kernel_metadata(order, tables, positions, slot_mapping), last_rows
         num_decodes = sum(1 for c in order if len(c.token_ids) == 1)
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=num_decodes)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes)
         if num_decodes:
             ctx = torch.tensor([c.start_pos + 1 for c in order[:num_decodes]])
             width = int(ctx.max())
@@ -221,18 +222,15 @@ class ModelRunner:
                 meta.prefills.append(PrefillChunk(row, row + n, _slots(table, torch.arange(end), bs), mask))
             row += n
         meta = _to_device(meta, self.device)
-        return torch.cat(ids).to(self.device), torch.cat(pos).to(self.device), meta, last_rows
-
+        return input_ids.to(self.device), positions.to(self.device), meta, last_rows
 
     @staticmethod
-    def _kernel_metadata(order, tables, pos, slots) -> AttentionMetadata:
+    def _kernel_metadata(order, tables, positions: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
         width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, table in enumerate(tables):
-            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         lengths = torch.tensor([len(c.token_ids) for c in order])
         token_seq = torch.repeat_interleave(torch.arange(len(order), dtype=torch.int32), lengths)
-        return AttentionMetadata(torch.cat(slots), block_tables, token_seq, torch.cat(pos).to(torch.int32))
+        return AttentionMetadata(slot_mapping, block_tables, token_seq, positions.to(torch.int32))
 
 
 def _slots(table: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:

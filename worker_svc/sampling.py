@@ -40,6 +40,7 @@ class SamplingParams:
     min_tokens: int = 0  # stop_token_ids are masked until this many tokens were generated
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0  # how many alternatives to return with each sampled token
+    logprobs: bool = False  # the sampled token's log-probability (implied by top_logprobs > 0)
 
     @property
     def greedy(self) -> bool:
@@ -157,16 +158,25 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
             if p.seed is not None:
                 q[j] = _seeded_exponential(vocab, rows[i], device)
         tokens[drawn] = torch.argmax(torch.softmax(scaled, dim=-1) / q, dim=-1)
-    log_norm = torch.logsumexp(raw, dim=-1, keepdim=True)  # logprob = raw logit - log_norm
-    chosen = (raw.gather(1, tokens.unsqueeze(1)) - log_norm).squeeze(1)
-    want_top = max((r.params.top_logprobs for r in rows), default=0)
-    top_ids = top_vals = None
-    if want_top:
-        top = torch.topk(raw, want_top, dim=-1)
-        top_ids, top_vals = top.indices.tolist(), (top.values - log_norm).tolist()
-    results = []
-    for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist())):
-        n = rows[i].params.top_logprobs
-        alternatives = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else []
-        results.append(Sampled(token, logprob, alternatives))
-    return results
+    return _with_logprobs(raw, tokens.tolist(), rows)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> list[Sampled]:
+    """The sampled tokens with their log-probabilities (and alternatives), for the rows that ask: a
+    log-softmax over the vocabulary is the most expensive part of sampling a greedy batch."""
+    asking = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs]
+    logprob, alternatives = [0.0] * len(rows), [[] for _ in rows]
+    if asking:
+        picked = raw[asking]
+        log_norm = torch.logsumexp(picked, dim=-1, keepdim=True)  # logprob = raw logit - log_norm
+        chosen = picked.gather(1, torch.tensor([[tokens[i]] for i in asking], device=raw.device)) - log_norm
+        want_top = max(rows[i].params.top_logprobs for i in asking)
+        if want_top:
+            top = torch.topk(picked, want_top, dim=-1)
+            top_ids, top_vals = top.indices.tolist(), (top.values - log_norm).tolist()
+        for j, i in enumerate(asking):
+            logprob[i] = chosen[j, 0].item()
+            n = rows[i].params.top_logprobs
+            if n:
+                alternatives[i] = list(zip(top_ids[j][:n], top_vals[j][:n]))
+    return [Sampled(t, lp, alt) for t, lp, alt in zip(tokens, logprob, alternatives)]

@@ -45,6 +45,7 @@ def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
         min_tokens=pb.min_tokens,
         stop_token_ids=tuple(pb.stop_token_ids),
         top_logprobs=pb.top_logprobs,
+        logprobs=pb.logprobs,
     )
 
 
@@ -53,7 +54,7 @@ def sampling_to_pb(p: SamplingParams) -> worker_pb2.SamplingParams:
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, seed=p.seed,
-        min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids, top_logprobs=p.top_logprobs,
+        min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids, top_logprobs=p.top_logprobs, logprobs=p.logprobs,
     )
 
 
