@@ -277,7 +277,8 @@ def test_full_queue_is_resource_exhausted_and_the_admitted_finish(tmp_path_facto
     small = _up(tmp_path_factory, "queue", max_num_seqs=1, max_waiting=2)
     try:
         with Client(small.endpoint, timeout=300) as c:
-            streams = [c.stream("Tell me about the moon.", max_tokens=40, ignore_eos=True) for _ in range(3)]
+            # long enough that the first is still running when the third is queued (decode is ~10 ms a token)
+            streams = [c.stream("Tell me about the moon.", max_tokens=150, ignore_eos=True) for _ in range(3)]
             scheduler = _scheduler_stub(small)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # one running, two waiting: the queue is full
@@ -292,7 +293,7 @@ def test_full_queue_is_resource_exhausted_and_the_admitted_finish(tmp_path_facto
     finally:
         small.stop()
     assert [r[-1].finish_reason for r in results] == ["length"] * 3
-    assert all(r[-1].completion_tokens == 40 for r in results)
+    assert all(r[-1].completion_tokens == 150 for r in results)
 
 
 def test_scheduler_killed_and_restarted_requests_finish_with_the_same_tokens(tmp_path_factory, reference):
