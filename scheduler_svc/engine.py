@@ -30,7 +30,6 @@ log = logging.getLogger("conveyor.scheduler")
 MAX_REWRITES = 3  # times a step rewrites a record Redis refuses before that request ends with an error
 
 
-
 class StepFailed(Exception):
     """The worker answered a step with an error (it is alive: a request may have caused it).
     ``culprit``: the sequence the worker named, when it could tell."""
@@ -296,7 +295,7 @@ class Engine:
                         plan.step, exc, len(self.scheduler.running))
         elif self.worker_up:
             log.error("worker step %d failed (%s); requeueing %d running requests for recompute",
-                      plan.step, exc or type(exc).__name__, len(self.scheduler.running))
+                      plan.step, str(exc) or type(exc).__name__, len(self.scheduler.running))
         if not refused:
             self._set_health(worker_up=False)
         with self.cond:

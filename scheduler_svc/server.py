@@ -19,7 +19,7 @@ from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
-from conveyor.wire import FINISH_TO_PB, logprobs_to_pb
+from conveyor.wire import FAILED_SEQ_METADATA, FINISH_TO_PB, logprobs_to_pb
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, StepFailed
@@ -85,7 +85,6 @@ class StepChannel:
     Answers are read on a thread of their own into a queue, so ``receive`` can give up on a worker that
     stopped answering (hung, or its host gone without a reset) after ``step_timeout`` seconds."""
 
-    FAILED_SEQ = "conveyor-failed-seq"  # trailing metadata: the sequence that made the worker fail a step
     REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                grpc.StatusCode.RESOURCE_EXHAUSTED)  # the worker is alive and failed the step
 
@@ -129,7 +128,7 @@ class StepChannel:
     def _failure(self, exc: grpc.RpcError) -> Exception:
         if exc.code() not in self.REFUSED:
             return exc  # the connection broke (the worker died or restarts)
-        culprit = dict(exc.trailing_metadata() or ()).get(self.FAILED_SEQ)
+        culprit = dict(exc.trailing_metadata() or ()).get(FAILED_SEQ_METADATA)
         return StepFailed(f"{exc.code().name}: {exc.details()}", culprit)
 
     def reset(self) -> None:
@@ -265,8 +264,8 @@ def build_engine(cfg: SchedulerConfig, metrics: Metrics) -> tuple[Engine, schedu
         grpc_util.internal_channel(cfg.detokenizer)
     )
 
-    engine = Engine(scheduler, store, StepChannel(worker, cfg.step_timeout), Publisher(detokenizer), tuple(info.eos_token_ids),
-                    metrics=metrics)
+    engine = Engine(scheduler, store, StepChannel(worker, cfg.step_timeout), Publisher(detokenizer),
+                    tuple(info.eos_token_ids), metrics=metrics)
     watch_redis(store, metrics)
     public = scheduler_pb2.SchedulerInfoResponse(
         model_name=info.model_name, max_model_len=max_len, eos_token_ids=info.eos_token_ids,

@@ -136,6 +136,26 @@ def test_malformed_step_is_invalid_argument_and_harmless(stub, default_model, na
     stub.Step(pb.StepRequest(free_seq_ids=["keep"]))
 
 
+def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default_model):
+    """The scheduler's StepChannel gets StepFailed naming the culprit (from the worker's trailing
+    metadata), so it can blame that request alone."""
+    from conveyor.params import RequestParams
+    from scheduler_svc.engine import StepFailed
+    from scheduler_svc.policy import Chunk, StepPlan
+    from scheduler_svc.request import Request
+    from scheduler_svc.server import StepChannel
+
+    prompt = default_model.tokenizer.encode("The capital of Spain is")
+    good, bad = (Request(rid, prompt, RequestParams(temperature=0.0), (), 0.0) for rid in ("fine", "culprit"))
+    plan = StepPlan(1, [Chunk(good, prompt, 0, [40, 41], True), Chunk(bad, prompt, 0, [10**6], True)], [])
+    channel = StepChannel(stub, step_timeout=60)
+    channel.send(plan)
+    with pytest.raises(StepFailed) as failed:
+        channel.receive(plan)
+    assert failed.value.culprit == "culprit" and "out of range" in str(failed.value)
+    channel.reset()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -58,8 +58,9 @@ def load_model(
     with the CPU kernels when running fp32 on a CPU that has them; "on" insists (error if it
     cannot); "off" always dequantizes to dense weights (the path CUDA takes).
     ``numerics``: "exact" computes the dequantized fp32 product (logits within 1e-4 of
-    transformers); "fast" lets quantized layers multiply decode batches (up to 8 rows) with
-    activations quantized to int8 per block of 32, as llama.cpp does (``worker_svc.cpu_kernels``).
+    transformers); "fast" lets quantized layers multiply decode batches (``cpu_kernels.fast_max_rows()``
+    rows) with integer dots, the activations quantized in two int8 passes per block of 32
+    (``worker_svc/cpu_kernels/qdot.c``).
     """
     if numerics not in NUMERICS:
         raise ValueError(f"--numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")

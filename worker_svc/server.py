@@ -17,6 +17,7 @@ import torch
 from conveyor import grpc_util
 from conveyor.metrics import Metrics
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
+from conveyor.wire import FAILED_SEQ_METADATA
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCache, bytes_per_block, kv_budget_bytes
 from worker_svc.loader import LoadedModel, load_model
@@ -25,7 +26,6 @@ from worker_svc.sampling import SamplingParams
 
 log = logging.getLogger("conveyor.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-FAILED_SEQ = "conveyor-failed-seq"  # trailing metadata of a failed step: the sequence at fault
 
 
 # ---------------------------------------------------------------- protobuf <-> dataclasses
@@ -154,10 +154,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         scheduler then blames that request alone; otherwise it finds it by running suspects alone)."""
         seq_id = getattr(exc, "seq_id", None)
         if seq_id:
-            context.set_trailing_metadata(((FAILED_SEQ, seq_id),))
+            context.set_trailing_metadata(((FAILED_SEQ_METADATA, seq_id),))
         if isinstance(exc, InvalidStep):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log.error("step failed: %s", exc, exc_info=not isinstance(exc, RuntimeError))
+        log.error("step failed: %s", exc, exc_info=True)
         context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
 
     def _run(self, step_id: int, step: StepInput) -> worker_pb2.StepResponse:

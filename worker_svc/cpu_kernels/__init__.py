@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("qgemm.c", "qdot.c", "attention.c", "elementwise.c", "layers.c")]
-HEADERS = [HERE / "simd.h"]
+HEADERS = [HERE / "simd.h", HERE / "quant.h"]
 # -ffp-contract=off: a * b + c in plain C stays two roundings, as in PyTorch (intrinsics are explicit)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
 # ggml type ids -> bytes per block of 32 weights

@@ -8,8 +8,9 @@
 //   Q4_0 (w = d (q - 8)):  d dx isum - 8 d dx xsum
 //   Q4_1 (w = d q + m):    d dx isum + m dx xsum
 //   Q8_0 (w = d q):        d dx isum   (signed x signed: |w| and x * sign(w) make it u8 x s8)
-// The only error against the exact product is x's rounding to 8 bits (relative ~0.4 % per element,
-// averaging out over a dot product); weights are used exactly.
+// The only error against the exact product is x's rounding, weights are used exactly. In one pass
+// that is 8 bits (relative ~0.4 % per element: top-1 agreed with transformers on 95.6 % of positions),
+// so the fast mode quantizes in two passes, the second taking what the first left (~15 bits).
 //
 // Meant for few rows (decode): x is quantized once, each weight block is unpacked once and used
 // for every row. Work is split over weight rows with OpenMP.
@@ -19,20 +20,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "quant.h"
 #include "simd.h"
 
-enum { QK = 32, MAX_ROWS = 8, MAX_K = 16384 };
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };  // ggml type ids
-
-static inline int block_bytes(int type) {
-    return type == TYPE_Q4_0 ? 18 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q8_0 ? 34 : 0;
-}
-
-static inline float half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+enum { MAX_ROWS = 8 };
 
 // One block of 32 floats -> 32 int8 (xq) with its scale, and scale * (sum of the int8 values).
 static inline void quantize_block(const float *x, int8_t *xq, float *scale, float *sum_scaled) {
@@ -138,7 +129,7 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
     const int64_t stride = nb * QK;  // from one pass of a row to the next
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
-        const float d = half(blk);
+        const float d = fp16_to_fp32(blk);
         if (type == TYPE_Q8_0) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
             const __m256i wabs = _mm256_sign_epi8(w, w);
@@ -149,7 +140,7 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
         } else {
             const int has_min = type == TYPE_Q4_1;
             const __m256i w = unpack_nibbles(blk + (has_min ? 4 : 2));
-            const float c = has_min ? half(blk + 2) : -8.0f * d;  // the term that multiplies dx * xsum
+            const float c = has_min ? fp16_to_fp32(blk + 2) : -8.0f * d;  // the term that multiplies dx * xsum
             for (int64_t m = 0; m < M; m++) {
                 const __m256 s = block_dot(w, xq + (m * passes * nb + b) * QK, stride, passes, NULL);
                 acc[m] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * xd[m * nb + b]), acc[m]);
@@ -178,8 +169,6 @@ int qgemm_q8dot(int type, const float *x, int64_t M, int64_t K, const uint8_t *w
     switch (M) {                                                                     \
         case 1: row_dot(T, row, nb, 1, P, xq, xd, xs, y, N, n); break;               \
         case 2: row_dot(T, row, nb, 2, P, xq, xd, xs, y, N, n); break;               \
-        case 3: row_dot(T, row, nb, 3, P, xq, xd, xs, y, N, n); break;               \
-        case 4: row_dot(T, row, nb, 4, P, xq, xd, xs, y, N, n); break;               \
         default: row_dot(T, row, nb, M, P, xq, xd, xs, y, N, n); break;              \
     }
 #define TYPES(P)                                                                     \

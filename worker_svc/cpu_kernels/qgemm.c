@@ -19,25 +19,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "quant.h"
 #include "simd.h"
 
-enum { QK = 32, NR = 4, MR = 3, MAX_K = 16384 };
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };  // ggml type ids
-
-static inline int block_bytes(int type) {
-    switch (type) {
-        case TYPE_Q4_0: return 18;  // fp16 d, 16 bytes of nibbles
-        case TYPE_Q4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles
-        case TYPE_Q8_0: return 34;  // fp16 d, 32 int8
-        default: return 0;
-    }
-}
-
-static inline float fp16_to_fp32(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+enum { NR = 4, MR = 3 };
 
 // Expand one block into 4 x 8 floats: v[0] = weights 0..7, ..., v[3] = weights 24..31.
 static inline __attribute__((always_inline)) void expand_block(int type, const uint8_t *b, __m256 v[4]) {
