@@ -97,11 +97,15 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--model", default="tiny", help="'tiny' (made here), or any --model of `conveyor up` "
+                        "('default': where the worker's arithmetic shows next to the pipeline's)")
+    parser.add_argument("--numerics", choices=["exact", "fast"], default="fast")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_model(Path(tmp) / "tiny-llama")
+        model = make_tiny_model(Path(tmp) / "tiny-llama") if args.model == "tiny" else args.model
         stack = start(UpConfig(model=str(model), port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0,
                                deliver_port=0, kv_cache_bytes=256 << 20, max_num_seqs=256, log_level="WARNING",
+                               numerics=args.numerics,
                                data_dir=str(Path(tmp) / "redis"),
                                **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}))
         try:
@@ -110,8 +114,8 @@ def main() -> None:
             names = ["frontend", "scheduler", "worker", "detokenizer", "redis", "client"]
             with Client(stack.endpoint, timeout=600) as client:
                 level(client, pids, 4, 4, 8)  # warm-up
-                print(f"tiny random Llama (1 layer, hidden 64, vocab 49,152), {args.max_tokens} output tokens per "
-                      f"request, {os.cpu_count()} cores")
+                what = "tiny random Llama (1 layer, hidden 64, vocab 49,152)" if args.model == "tiny" else args.model
+                print(f"{what}, {args.max_tokens} output tokens per request, {os.cpu_count()} cores")
                 print(f"{'streams':>8}{'tok/s':>10}   CPU ms per output token: " + "".join(f"{n:>12}" for n in names))
                 for streams in args.streams:
                     r = level(client, pids, streams, streams * args.requests_per_stream, args.max_tokens)

@@ -13,7 +13,7 @@
 // so the fast mode quantizes in two passes, the second taking what the first left (~15 bits).
 //
 // Meant for few rows (decode): x is quantized once, each weight block is unpacked once and used
-// for every row. Work is split over weight rows with OpenMP.
+// for every row. Work is split over weight rows with OpenMP, ``guided`` (see qgemm.c).
 
 #include <immintrin.h>
 #include <math.h>
@@ -161,7 +161,7 @@ int qgemm_q8dot(int type, const float *x, int64_t M, int64_t K, const uint8_t *w
     float xd[M * nb], xs[M * nb];
     quantize_rows(x, M, K, passes, xq, xd, xs);
     const int64_t row_bytes = nb * block_bytes(type);
-#pragma omp parallel for schedule(dynamic, 32)
+#pragma omp parallel for schedule(guided)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
         // constant type, M and passes per call let the compiler unroll and keep accumulators in registers

@@ -11,7 +11,11 @@
 //   - more rows: expand NR weight rows into an L1 buffer once, then run an MR x NR register
 //     tile of fp32 FMAs over all rows of x (a small GEMM micro-kernel).
 // Work is split over weight rows with OpenMP; loaded into a PyTorch process, the OpenMP runtime
-// is PyTorch's own (same soname), so both share one thread pool.
+// is PyTorch's own (same soname), so both share one thread pool. The split is ``guided``: each
+// thread first takes a long contiguous run of rows (the memory prefetcher streams it; the old
+// dynamic chunks of 32 rows ran the whole-model batch-1 step at half the speed: 8.4 against 3.9 ms
+// of matmuls per token), then ever smaller ones, so a thread the OS preempts still does not stall
+// the rest for long.
 //
 // Built by worker_svc/cpu_kernels/__init__.py.
 
@@ -70,7 +74,7 @@ static inline __attribute__((always_inline)) void rows_direct(int type, const fl
 }
 
 static void gemm_direct(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y) {
-#pragma omp parallel for schedule(dynamic, 32)  // dynamic: a thread the OS preempts does not stall the rest
+#pragma omp parallel for schedule(guided)
     for (int64_t n = 0; n < N; n++) {
         if (M == 1) rows_direct(type, x, 1, K, w, n, y, N);
         else rows_direct(type, x, 2, K, w, n, y, N);
@@ -101,7 +105,7 @@ static void gemm_tiled(int type, const float *x, int64_t M, int64_t K, const uin
 #pragma omp parallel
     {
         float wbuf[NR * K] __attribute__((aligned(32)));  // NR expanded rows, at most 256 KiB of stack
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(guided)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NR;
             const int nr = (int)(N - n0 < NR ? N - n0 : NR);
