@@ -15,12 +15,12 @@ from conveyor.launcher import free_port  # noqa: F401 - re-exported for the test
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_runner(loaded, block_size: int = 16, num_blocks: int = 1024, seed: int = 0):
+def make_runner(loaded, block_size: int = 16, num_blocks: int = 1024, seed: int = 0, threads=None):
     from worker_svc.kv_cache import KVCache
     from worker_svc.runner import ModelRunner
 
     cache = KVCache.allocate(loaded.config, block_size, num_blocks, "cpu", torch.float32)
-    return ModelRunner(loaded.model, cache, loaded.max_model_len, seed=seed)
+    return ModelRunner(loaded.model, cache, loaded.max_model_len, seed=seed, threads=threads)
 
 
 @torch.inference_mode()

@@ -148,3 +148,25 @@ def test_decode_last_feeds_the_token_sampled_in_the_previous_step(default_model,
     runner.step(StepInput([SeqChunk("b", prompt, 0, [9, 10, 11], False, SamplingParams(), len(prompt))]))
     with pytest.raises(InvalidStep, match="nothing was sampled"):
         runner.step(StepInput([SeqChunk("b", [], len(prompt), [], True, decode_last=True)]))
+
+
+def test_a_step_of_one_token_runs_on_the_small_step_threads(default_model, prompts, alone):
+    """--small-step-threads: a lone stream's decode leaves cores to the pipeline; bigger steps take all
+    threads again. The tokens are the same either way."""
+    before = torch.get_num_threads()
+    try:
+        runner = make_runner(default_model, num_blocks=16, threads=(2, 1))
+        prompt = prompts[0]
+        tokens = [_start(runner, "a", prompt, list(range(8)))]
+        assert torch.get_num_threads() == 2  # the prompt: many tokens
+        out = runner.step(StepInput([SeqChunk("a", [], len(prompt), [], True, decode_last=True)]))
+        tokens.append(out[0].sampled.token_id)
+        assert torch.get_num_threads() == 1
+        _start(runner, "b", prompts[1], list(range(8, 16)))
+        assert torch.get_num_threads() == 2
+        tokens.append(runner.step(StepInput([SeqChunk("a", [], len(prompt) + 1, [], True, decode_last=True)]))[0]
+                      .sampled.token_id)
+        assert torch.get_num_threads() == 1
+        assert tokens == alone[0][0][:3]
+    finally:
+        torch.set_num_threads(before)

@@ -33,6 +33,11 @@ class WorkerConfig:
         "within ~2e-3 of exact)",
         choices=("exact", "fast"),
     )
+    threads: int = setting(0, "CPU threads the model computes with (0: PyTorch's default, one per core it may use)")
+    small_step_threads: int = setting(
+        -1, "CPU threads for a step of a single token (one stream decoding): -1 leaves one core to the scheduler, "
+        "detokenizer and frontend, which work between every two tokens and would otherwise preempt a model thread "
+        "mid-step while the others wait for it; 0: as many as --threads")
     seed: int | None = setting(None, "seed of the worker's generator for unseeded requests")
     fail_on_token: int = setting(-1, "fault injection for tests: every step that computes this token id fails "
                                      "(as a kernel or device error would); -1: off")
@@ -47,6 +52,8 @@ class WorkerConfig:
         require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
         require(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction", "must be in (0, 1]")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+        require(self.small_step_threads >= -1, "small_step_threads", f"must be >= -1, got {self.small_step_threads}")
         require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
                 f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")

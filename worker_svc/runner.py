@@ -70,8 +70,10 @@ class ModelRunner:
     """Owns the model, the KV cache and the per-sequence state; ``step`` runs one engine step."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int, seed: int | None = None,
-                 fail_on_token: int = -1):
+                 fail_on_token: int = -1, threads: tuple[int, int] | None = None):
+        """``threads``: (CPU threads for a step, for a step of one token); None leaves PyTorch's setting."""
         self.fail_on_token = fail_on_token  # fault injection (--fail-on-token): -1 off
+        self.threads = threads
         self.model = model
         self.cache = cache
         self.max_model_len = max_model_len
@@ -145,6 +147,7 @@ class ModelRunner:
         for seq_id in step.free_seq_ids:
             self.seqs.pop(seq_id, None)
         staged = {c.seq_id: self._staged_state(c) for c in step.chunks}
+        self._set_threads(sum(len(c.token_ids) for c in step.chunks))
         # decode tokens first (one query each), then prefill chunks
         order = sorted(step.chunks, key=lambda c: len(c.token_ids) > 1)
         results = self._forward_and_sample(order, staged) if order else []
@@ -153,6 +156,18 @@ class ModelRunner:
         self.seqs.update(staged)  # commit only after the forward succeeded
         position = {c.seq_id: i for i, c in enumerate(step.chunks)}
         return sorted(results, key=lambda r: position[r.seq_id])  # request order
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """A step of one token runs on fewer CPU threads (``--small-step-threads``). On a machine with
+        few cores the other processes of the pipeline run between every two tokens of a lone stream;
+        given no core of their own they preempt a model thread mid-step, and every barrier of the
+        step waits for it (the served token took twice the bare step on 2 cores). Bigger steps
+        amortize that work and take every thread."""
+        if self.threads is None or self.device.type != "cpu":
+            return
+        want = self.threads[1] if num_tokens <= 1 else self.threads[0]
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:

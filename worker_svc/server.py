@@ -194,7 +194,11 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-bytes is smaller than one block ({block_bytes} bytes)")
     cache = KVCache.allocate(loaded.config, cfg.block_size, num_blocks, device, dtype)
-    runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed, fail_on_token=cfg.fail_on_token)
+    threads = cfg.threads or torch.get_num_threads()  # PyTorch's default: the cores this process may use
+    small = threads if cfg.small_step_threads == 0 else max(1, threads - 1) if cfg.small_step_threads < 0 else \
+        cfg.small_step_threads
+    runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed, fail_on_token=cfg.fail_on_token,
+                         threads=(threads, min(small, threads)))
     log.info(
         "loaded %s in %.2fs on %s (%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),
