@@ -86,10 +86,21 @@ class ClientStream:
         self._queue.put(out)
 
     def next(self, timeout: float) -> ClientDelta | None:
+        """The next delta, merged with those already queued behind it: a frontend that fell behind by a
+        few steps (many streams, two cores) sends its client one message, not one per token."""
         try:
-            return self._queue.get(timeout=timeout)
+            out = self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
+        while out.finish_reason is None:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            out = ClientDelta(out.request_id, out.text + more.text, out.token_ids + more.token_ids,
+                              out.first_token_index, out.logprobs + more.logprobs, more.finish_reason,
+                              more.prompt_tokens, more.completion_tokens)
+        return out
 
 
 class Frontend:
