@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import hashlib
 import hmac
 import logging
@@ -23,7 +25,6 @@ from conveyor.errors import ConfigError, ConveyorError, ResourceExhausted, Unaut
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
-OWNER_ATTR = "conveyor_owner"  # the API key's name, set on the call's context by AuthInterceptor
 
 
 class _Malformed:
@@ -40,6 +41,22 @@ def _status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}"
     log.exception("unhandled error in %s", method)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _tolerant(parse):
+    """A request deserializer that returns ``_Malformed`` instead of raising (the interceptor answers it)."""
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the client's malformed input
+            return _Malformed(exc)
+
+    return deserialize
+
+
+def _malformed(request: _Malformed, method: str) -> tuple[grpc.StatusCode, str]:
+    return grpc.StatusCode.INVALID_ARGUMENT, f"malformed request for {method}: {request.error} (strings must be valid UTF-8)"
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
@@ -60,18 +77,11 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         if handler is None or handler.request_streaming:
             return handler
         method = handler_call_details.method
-        parse = handler.request_deserializer
-
-        def deserialize(data: bytes):
-            try:
-                return parse(data)
-            except Exception as exc:  # noqa: BLE001 - any parse failure is the client's malformed input
-                return _Malformed(exc)
+        deserialize = _tolerant(handler.request_deserializer)
 
         def check(request, context) -> None:
             if isinstance(request, _Malformed):
-                self._abort(context, method, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"malformed request for {method}: {request.error} (strings must be valid UTF-8)")
+                self._abort(context, method, *_malformed(request, method))
 
         if handler.response_streaming:
             inner_stream = handler.unary_stream
@@ -148,23 +158,78 @@ def presented_key(metadata) -> str:
     return headers.get("x-api-key", "")
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
-    """API keys and per-key stream limits for the public service. Health and reflection stay open (for
-    probes). The key's name is set on the call's context (``OWNER_ATTR``): it owns the requests the
-    call creates. Put it after ``ErrorMappingInterceptor``, which turns its errors into statuses."""
+class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """``ErrorMappingInterceptor`` for an asyncio server (the frontend's public API): the same statuses
+    for the same errors, raised by coroutines and async generators."""
+
+    def __init__(self, on_error=None):
+        self.on_error = on_error or (lambda method, code: None)
+
+    async def _abort(self, context, method: str, code: grpc.StatusCode, details: str):
+        self.on_error(method, code.name)
+        await context.abort(code, details)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        deserialize = _tolerant(handler.request_deserializer)
+
+        if handler.response_streaming:
+            inner_stream = handler.unary_stream
+
+            async def streamed(request, context):
+                if isinstance(request, _Malformed):
+                    await self._abort(context, method, *_malformed(request, method))
+                try:
+                    async for response in inner_stream(request, context):
+                        yield response
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await self._abort(context, method, *_status(exc, method))
+
+            return grpc.unary_stream_rpc_method_handler(
+                streamed, request_deserializer=deserialize, response_serializer=handler.response_serializer
+            )
+        inner = handler.unary_unary
+
+        async def unary(request, context):
+            if isinstance(request, _Malformed):
+                await self._abort(context, method, *_malformed(request, method))
+            try:
+                return await inner(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await self._abort(context, method, *_status(exc, method))
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=deserialize, response_serializer=handler.response_serializer
+        )
+
+
+OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("conveyor_owner", default="")
+
+
+class AioAuthInterceptor(grpc.aio.ServerInterceptor):
+    """API keys and per-key stream limits for the public service (an asyncio server). Health and
+    reflection stay open (for probes). The key's name is set in ``OWNER`` for the call's handler: it
+    owns the requests the call creates. Put it after ``AioErrorMappingInterceptor``, which turns its
+    errors into statuses."""
 
     OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
     def __init__(self, keys: ApiKeys, max_streams_per_key: int = 0):
         self.keys = keys
         self.max_streams = max_streams_per_key
-        self.streams: Counter[str] = Counter()
-        self.lock = threading.Lock()
+        self.streams: Counter[str] = Counter()  # touched only on the event loop: no lock
 
     def _owner(self, context) -> str:
         if not self.keys:
             return ""
-        presented = presented_key(context.invocation_metadata())
+        presented = presented_key(context.invocation_metadata() or ())
         if not presented:
             raise Unauthenticated("missing API key: send the metadata 'authorization: Bearer <key>'")
         name = self.keys.identify(presented)
@@ -172,27 +237,25 @@ class AuthInterceptor(grpc.ServerInterceptor):
             raise Unauthenticated("invalid API key")
         return name
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler_call_details.method.startswith(self.OPEN):
             return handler
         if handler.response_streaming:
             inner_stream = handler.unary_stream
 
-            def streamed(request, context):
+            async def streamed(request, context):
                 owner = self._owner(context)
-                setattr(context, OWNER_ATTR, owner)
-                with self.lock:
-                    if self.max_streams and self.streams[owner] >= self.max_streams:
-                        who = f"API key {owner!r}" if owner else "this server"
-                        raise ResourceExhausted(f"{who} already has {self.max_streams} streams open "
-                                                "(--max-streams-per-key)")
-                    self.streams[owner] += 1
+                OWNER.set(owner)
+                if self.max_streams and self.streams[owner] >= self.max_streams:
+                    who = f"API key {owner!r}" if owner else "this server"
+                    raise ResourceExhausted(f"{who} already has {self.max_streams} streams open (--max-streams-per-key)")
+                self.streams[owner] += 1
                 try:
-                    yield from inner_stream(request, context)
+                    async for response in inner_stream(request, context):
+                        yield response
                 finally:
-                    with self.lock:
-                        self.streams[owner] -= 1
+                    self.streams[owner] -= 1
 
             return grpc.unary_stream_rpc_method_handler(
                 streamed, request_deserializer=handler.request_deserializer,
@@ -200,9 +263,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
             )
         inner = handler.unary_unary
 
-        def unary(request, context):
-            setattr(context, OWNER_ATTR, self._owner(context))
-            return inner(request, context)
+        async def unary(request, context):
+            OWNER.set(self._owner(context))
+            return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
             unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
@@ -272,48 +335,92 @@ PUBLIC_KEEPALIVE = [
 ]
 
 
+def _error_counter(metrics):
+    """``on_error(method, code)`` counting into ``conveyor_grpc_errors_total`` (None without metrics)."""
+    if metrics is None:
+        return None
+    errors = metrics.get("conveyor_grpc_errors_total")
+    return lambda method, code: errors.labels(method=method, code=code).inc()
+
+
+def _server_options(max_message_bytes: int, options) -> list:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+        *options,
+    ]
+
+
 def make_server(max_workers: int = 8, metrics=None, interceptors=(), max_message_bytes: int = MAX_MESSAGE_BYTES,
                 max_concurrent_rpcs: int | None = None, options=()) -> grpc.Server:
     """A gRPC server with the error-mapping interceptor (then ``interceptors``); errors are counted in
     ``metrics`` when given. A request larger than ``max_message_bytes`` gets RESOURCE_EXHAUSTED from gRPC;
     beyond ``max_concurrent_rpcs`` calls at once, new ones get RESOURCE_EXHAUSTED instead of queueing.
     ``options``: more channel arguments (``PUBLIC_KEEPALIVE`` for the public API)."""
-    on_error = None
-    if metrics is not None:
-        errors = metrics.get("conveyor_grpc_errors_total")
-        on_error = lambda method, code: errors.labels(method=method, code=code).inc()  # noqa: E731
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorMappingInterceptor(on_error), *interceptors],
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-            *options,
-        ],
+        interceptors=[ErrorMappingInterceptor(_error_counter(metrics)), *interceptors],
+        options=_server_options(max_message_bytes, options),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
+
+
+def make_aio_server(metrics=None, interceptors=(), max_message_bytes: int = MAX_MESSAGE_BYTES,
+                    max_concurrent_rpcs: int | None = None, options=()) -> grpc.aio.Server:
+    """``make_server`` for asyncio: every call is a coroutine on one event loop, so a stream costs no
+    thread and a message no thread switch (the frontend's public API: one message per client per token)."""
+    return grpc.aio.server(
+        interceptors=[AioErrorMappingInterceptor(_error_counter(metrics)), *interceptors],
+        options=_server_options(max_message_bytes, options),
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
+
+
+def _reflected(service_names: list[str]) -> list[str]:
+    return [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+
+
+def _health_status(serving: bool):
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _process_up(metrics, serving: bool) -> None:
+    if metrics is not None:
+        metrics.get("conveyor_process_up").set(1 if serving else 0)
 
 
 def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
     """Register grpc.health.v1 (initially NOT_SERVING) and server reflection for ``service_names``."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ["", *service_names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    set_serving(health_servicer, service_names, False)
+    reflection.enable_server_reflection(_reflected(service_names), server)
     return health_servicer
 
 
 def set_serving(health_servicer: health.HealthServicer, service_names: list[str], serving: bool,
                 metrics=None) -> None:
     """Set the health of the process and its services (and ``conveyor_process_up`` when given)."""
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
-        health_servicer.set(name, status)
-    if metrics is not None:
-        metrics.get("conveyor_process_up").set(1 if serving else 0)
+        health_servicer.set(name, _health_status(serving))
+    _process_up(metrics, serving)
+
+
+async def add_aio_health_and_reflection(server: grpc.aio.Server, service_names: list[str]):
+    """``add_health_and_reflection`` for an asyncio server."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await set_aio_serving(health_servicer, service_names, False)
+    reflection.enable_server_reflection(_reflected(service_names), server)
+    return health_servicer
+
+
+async def set_aio_serving(health_servicer, service_names: list[str], serving: bool, metrics=None) -> None:
+    """``set_serving`` for the health of an asyncio server."""
+    for name in ["", *service_names]:
+        await health_servicer.set(name, _health_status(serving))
+    _process_up(metrics, serving)
 
 
 def server_credentials(cert: str, key: str, client_ca: str = "",
@@ -347,3 +454,16 @@ def wait_for_termination(server: grpc.Server, on_stop=None, grace: float = 5.0) 
     if on_stop:
         on_stop()
     server.stop(grace).wait()
+
+
+async def aio_wait_for_termination(server: grpc.aio.Server, on_stop=None, grace: float = 5.0) -> None:
+    """``wait_for_termination`` for an asyncio server; ``on_stop`` is a coroutine function."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    if on_stop:
+        await on_stop()
+    await server.stop(grace)

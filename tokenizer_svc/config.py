@@ -37,7 +37,7 @@ class FrontendConfig:
     tls_cert: str = setting("", "PEM certificate of the public API (with --tls-key: TLS)")
     tls_key: str = setting("", "PEM private key of the public API")
     tls_client_ca: str = setting("", "PEM CA that must sign client certificates (mutual TLS)")
-    max_streams: int = setting(512, "most client streams this frontend serves at once (threads)")
+    max_streams: int = setting(512, "most client streams this frontend serves at once (more get RESOURCE_EXHAUSTED)")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
     metrics_port: int = setting(9101, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")

@@ -63,6 +63,7 @@ class ClientStream:
         self.last_check = 0.0
         self.suspect: tuple[int, bool] | None = None  # Redis's (tokens, finished) at the last look, when ahead
         self._queue: queue.Queue[ClientDelta] = queue.Queue()
+        self.wake: Callable[[], None] = lambda: None  # called after each delta queued (from any thread)
 
     def offer(self, d: Delta) -> None:
         """Queue the unseen part of a delta (called from the Deliver handler's thread)."""
@@ -84,12 +85,13 @@ class ClientStream:
             self.finished = True
             out.prompt_tokens, out.completion_tokens = d.prompt_tokens, d.completion_tokens
         self._queue.put(out)
+        self.wake()
 
-    def next(self, timeout: float) -> ClientDelta | None:
-        """The next delta, merged with those already queued behind it: a frontend that fell behind by a
-        few steps (many streams, two cores) sends its client one message, not one per token."""
+    def take(self) -> ClientDelta | None:
+        """The next delta, merged with those already queued behind it (a frontend that fell behind by a
+        few steps sends its client one message, not one per token); None when nothing waits."""
         try:
-            out = self._queue.get(timeout=timeout)
+            out = self._queue.get_nowait()
         except queue.Empty:
             return None
         while out.finish_reason is None:
