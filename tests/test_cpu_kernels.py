@@ -17,7 +17,7 @@ def _quantized(qtype, n: int, k: int, seed: int = 0):
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
     dense = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(n, k))
-    return torch.from_numpy(blocks.copy()).reshape(n, -1), dense
+    return cpu_kernels.kernel_layout(torch.from_numpy(blocks.copy()).reshape(n, -1), int(qtype), k), dense
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

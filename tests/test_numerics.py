@@ -37,7 +37,7 @@ def _random_blocks(qtype: int, rows: int, k: int, seed: int) -> torch.Tensor:
         nibbles = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
         minimum = rng.uniform(-0.2, 0.0, (rows, nb, 1)).astype(np.float16).view(np.uint8)
         blocks = np.concatenate([scale, minimum, nibbles] if qtype == 3 else [scale, nibbles], axis=2)
-    return torch.from_numpy(np.ascontiguousarray(blocks.reshape(rows, -1)))
+    return cpu_kernels.kernel_layout(torch.from_numpy(np.ascontiguousarray(blocks.reshape(rows, -1))), qtype, k)
 
 
 @pytest.mark.parametrize("qtype", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])

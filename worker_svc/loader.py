@@ -122,6 +122,7 @@ def _install_packed(model: LlamaModel, state: dict[str, torch.Tensor], config: M
         name = key.removesuffix(".qweight")
         qweight, qtype = state.pop(key), int(state.pop(f"{name}.qtype"))
         if name == "embed_tokens":
+            qweight = cpu_kernels.kernel_layout(qweight, qtype, config.hidden_size)  # once: lm_head may share it
             model.embed_tokens = PackedEmbedding(qweight, qtype, config.hidden_size)
             if config.tie_word_embeddings:
                 model.lm_head = PackedLinear(qweight, qtype, config.hidden_size)
@@ -129,6 +130,7 @@ def _install_packed(model: LlamaModel, state: dict[str, torch.Tensor], config: M
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         in_features = getattr(parent, child).in_features
+        qweight = cpu_kernels.kernel_layout(qweight, qtype, in_features)
         setattr(parent, child, PackedLinear(qweight, qtype, in_features, state.pop(f"{name}.bias", None)))
 
 

@@ -15,7 +15,8 @@ from worker_svc import cpu_kernels
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W as (out_features, in_features / 32 * block bytes) uint8 blocks."""
+    """y = x @ W^T (+ bias) with W as (out_features, in_features / 32 * block bytes) uint8 GGUF blocks, in the
+    CPU kernels' layout (``cpu_kernels.kernel_layout``)."""
 
     def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()

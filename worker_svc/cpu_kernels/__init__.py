@@ -118,6 +118,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.decoder_forward.restype = ctypes.c_int
     lib.qdequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qdequant_rows.restype = ctypes.c_int
+    lib.qrepack.argtypes = [ctypes.c_int, ptr, i64, i64]
+    lib.qrepack.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr]
     lib.paged_attention.restype = ctypes.c_int
@@ -148,8 +150,24 @@ def fast_max_rows() -> int:
     return _lib().qdot_max_rows()
 
 
+def kernel_layout(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """GGUF blocks, (N, K/32 * block bytes) uint8, rearranged within each row the way the kernels read
+    them (see quant.h: a row's scales, mins and quants each together); a new tensor of the same shape.
+    Every ``qweight`` given to the functions below is in this layout."""
+    if qtype not in BLOCK_BYTES or in_features % QK:
+        raise ValueError(f"qrepack: unsupported type {qtype} or K={in_features}")
+    row_bytes = in_features // QK * BLOCK_BYTES[qtype]
+    if blocks.dtype != torch.uint8 or blocks.numel() % row_bytes:
+        raise ValueError(f"qrepack: {blocks.numel()} {blocks.dtype} values are not rows of {row_bytes} bytes")
+    out = blocks.contiguous().clone()
+    if _lib().qrepack(qtype, out.data_ptr(), out.numel() // row_bytes, in_features) != 0:
+        raise ValueError(f"qrepack: unsupported type {qtype} or K={in_features}")
+    return out
+
+
 def qgemm(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int, passes: int = 0) -> torch.Tensor:
-    """x: (M, K) fp32 -> (M, N) fp32, with qweight the (N, K/32 * block bytes) uint8 GGUF blocks.
+    """x: (M, K) fp32 -> (M, N) fp32, with qweight (N, K/32 * block bytes) uint8 GGUF blocks in the
+    kernels' layout (``kernel_layout``).
     ``passes`` 1 or 2: for M <= ``fast_max_rows()``, x is quantized to that many int8 blocks (each the
     rest of the one before) and multiplied with integer dots; 0: the exact fp32 product."""
     lib = _lib()

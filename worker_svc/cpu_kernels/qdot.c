@@ -115,36 +115,61 @@ static inline __attribute__((always_inline)) __m256 block_dot(__m256i u, const i
     return _mm256_cvtepi32_ps(sum);
 }
 
-// y[m, n] for every row m < M of one weight row n.
-static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *row, int64_t nb, int64_t M,
+// ``n`` fp16 values -> fp32, eight at a time.
+static inline void fp16_run(const uint8_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 2 * i))));
+    for (; i < n; i++) out[i] = fp16_to_fp32(h + 2 * i);
+}
+
+static inline float dot_run(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+// y[m, n] for every row m < M of one weight row n (kernel layout, quant.h). The per-block float work is
+// done for the whole row first, eight blocks at a time: each block's scale d * dx per row of x, and
+// the term of the mins (Q4_1: sum of m dx xsum; Q4_0: of -8 d dx xsum), so a block's own work is its
+// integer dot, one conversion and one multiply-add.
+static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *bytes, int64_t nb, int64_t M,
                                                            int passes, const int8_t *xq, const float *xd,
                                                            const float *xs, float *y, int64_t N, int64_t n) {
-    __m256 acc[MAX_ROWS];
-    float corr[MAX_ROWS];
+    const RowView r = row_view(type, bytes, nb);
+    float d[MAX_K / QK], scale[MAX_ROWS * (MAX_K / QK)];
+    fp16_run(r.d, nb, d);
     for (int64_t m = 0; m < M; m++) {
-        acc[m] = _mm256_setzero_ps();
-        corr[m] = 0.0f;
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8)
+            _mm256_storeu_ps(scale + m * nb + b, _mm256_mul_ps(_mm256_loadu_ps(d + b), _mm256_loadu_ps(xd + m * nb + b)));
+        for (; b < nb; b++) scale[m * nb + b] = d[b] * xd[m * nb + b];
     }
-    const int bb = block_bytes(type);
+    float corr[MAX_ROWS] = {0};
+    if (type != TYPE_Q8_0) {
+        float c[MAX_K / QK];
+        if (type == TYPE_Q4_1) fp16_run(r.m, nb, c);
+        for (int64_t m = 0; m < M; m++)
+            corr[m] = type == TYPE_Q4_1 ? dot_run(c, xs + m * nb, nb) : -8.0f * dot_run(d, xs + m * nb, nb);
+    }
+    __m256 acc[MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     const int64_t stride = nb * QK;  // from one pass of a row to the next
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bb;
-        const float d = fp16_to_fp32(blk);
         if (type == TYPE_Q8_0) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(r.q + 32 * b));
             const __m256i wabs = _mm256_sign_epi8(w, w);
             for (int64_t m = 0; m < M; m++) {
                 const __m256 s = block_dot(wabs, xq + (m * passes * nb + b) * QK, stride, passes, &w);
-                acc[m] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * xd[m * nb + b]), acc[m]);
+                acc[m] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(scale + m * nb + b), acc[m]);
             }
         } else {
-            const int has_min = type == TYPE_Q4_1;
-            const __m256i w = unpack_nibbles(blk + (has_min ? 4 : 2));
-            const float c = has_min ? fp16_to_fp32(blk + 2) : -8.0f * d;  // the term that multiplies dx * xsum
+            const __m256i w = unpack_nibbles(r.q + 16 * b);
             for (int64_t m = 0; m < M; m++) {
                 const __m256 s = block_dot(w, xq + (m * passes * nb + b) * QK, stride, passes, NULL);
-                acc[m] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * xd[m * nb + b]), acc[m]);
-                corr[m] += c * xs[m * nb + b];
+                acc[m] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(scale + m * nb + b), acc[m]);
             }
         }
     }

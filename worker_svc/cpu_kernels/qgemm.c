@@ -1,7 +1,7 @@
 // Weight-only quantized matrix multiply for the CPU: y[M, N] = x[M, K] @ W[N, K]^T.
 //
 // W stays in its GGUF block format (Q4_0, Q4_1 or Q8_0: 32 weights per block, one or two fp16
-// scales each), x and y are fp32. Each weight is expanded to exactly the fp32 value the
+// scales each; each row rearranged as quant.h says), x and y are fp32. Each weight is expanded to exactly the fp32 value the
 // reference dequantizer (gguf-py) produces, so this computes the same product as the dense fp32
 // matmul, only summed in another order. Reading 0.56-1.06 bytes per weight instead of 4 is
 // what makes decoding fast on a CPU, where a matrix-vector product is memory bound.
@@ -28,20 +28,19 @@
 
 enum { NR = 4, MR = 3 };
 
-// Expand one block into 4 x 8 floats: v[0] = weights 0..7, ..., v[3] = weights 24..31.
-static inline __attribute__((always_inline)) void expand_block(int type, const uint8_t *b, __m256 v[4]) {
+// Expand block kb of a row into 4 x 8 floats: v[0] = weights 0..7, ..., v[3] = weights 24..31.
+static inline __attribute__((always_inline)) void expand_block(int type, RowView r, int64_t kb, __m256 v[4]) {
+    const __m256 d = _mm256_set1_ps(fp16_to_fp32(r.d + 2 * kb));
     if (type == TYPE_Q8_0) {
-        const __m256 d = _mm256_set1_ps(fp16_to_fp32(b));
         for (int i = 0; i < 4; i++) {
-            __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i));
+            __m128i q = _mm_loadl_epi64((const __m128i *)(r.q + 32 * kb + 8 * i));
             v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);  // q * d, exact
         }
         return;
     }
     const int has_min = type == TYPE_Q4_1;
-    const __m256 d = _mm256_set1_ps(fp16_to_fp32(b));
-    const __m256 m = has_min ? _mm256_set1_ps(fp16_to_fp32(b + 2)) : _mm256_setzero_ps();
-    const __m128i packed = _mm_loadu_si128((const __m128i *)(b + (has_min ? 4 : 2)));
+    const __m256 m = has_min ? _mm256_set1_ps(fp16_to_fp32(r.m + 2 * kb)) : _mm256_setzero_ps();
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(r.q + 16 * kb));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(packed, mask);                     // weights 0..15
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // weights 16..31
@@ -59,12 +58,11 @@ static inline __attribute__((always_inline)) void expand_block(int type, const u
 // Few rows of x: expand each block in registers and use it for every row at once.
 static inline __attribute__((always_inline)) void rows_direct(int type, const float *x, int64_t M, int64_t K,
                                                                const uint8_t *w, int64_t n, float *y, int64_t N) {
-    const int bb = block_bytes(type);
-    const uint8_t *row = w + n * (K / QK) * bb;
+    const RowView row = row_view(type, w + n * (K / QK) * block_bytes(type), K / QK);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t kb = 0; kb < K / QK; kb++) {
         __m256 v[4];
-        expand_block(type, row + kb * bb, v);
+        expand_block(type, row, kb, v);
         for (int64_t m = 0; m < M; m++) {
             const float *xk = x + m * K + kb * QK;
             for (int i = 0; i < 4; i++) acc[m] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xk + 8 * i), acc[m]);
@@ -110,10 +108,10 @@ static void gemm_tiled(int type, const float *x, int64_t M, int64_t K, const uin
             const int64_t n0 = g * NR;
             const int nr = (int)(N - n0 < NR ? N - n0 : NR);
             for (int j = 0; j < NR; j++) {
-                const uint8_t *row = w + (n0 + (j < nr ? j : 0)) * (K / QK) * bb;  // pad with row n0
+                const RowView row = row_view(type, w + (n0 + (j < nr ? j : 0)) * (K / QK) * bb, K / QK);  // pad with row n0
                 for (int64_t kb = 0; kb < K / QK; kb++) {
                     __m256 v[4];
-                    expand_block(type, row + kb * bb, v);
+                    expand_block(type, row, kb, v);
                     for (int i = 0; i < 4; i++) _mm256_store_ps(wbuf + j * K + kb * QK + 8 * i, v[i]);
                 }
             }
@@ -138,11 +136,32 @@ int qdequant_rows(int type, const uint8_t *w, int64_t K, const int64_t *rows, in
     const int bb = block_bytes(type);
     if (bb == 0 || K % QK != 0) return -1;
     for (int64_t r = 0; r < count; r++) {
-        const uint8_t *row = w + rows[r] * (K / QK) * bb;
+        const RowView row = row_view(type, w + rows[r] * (K / QK) * bb, K / QK);
         for (int64_t kb = 0; kb < K / QK; kb++) {
             __m256 v[4];
-            expand_block(type, row + kb * bb, v);
+            expand_block(type, row, kb, v);
             for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + r * K + kb * QK + 8 * i, v[i]);
+        }
+    }
+    return 0;
+}
+
+// GGUF blocks -> the kernel layout (quant.h), in place, for N rows of K weights. Returns -1 for an unknown
+// type or K not a multiple of 32 / too large.
+int qrepack(int type, uint8_t *w, int64_t N, int64_t K) {
+    const int bb = block_bytes(type), qb = quant_bytes(type), has_min = type == TYPE_Q4_1;
+    if (bb == 0 || K % QK != 0 || K > MAX_K) return -1;
+    const int64_t nb = K / QK;
+    uint8_t tmp[MAX_K / QK * 34];
+    for (int64_t n = 0; n < N; n++) {
+        uint8_t *row = w + n * nb * bb;
+        memcpy(tmp, row, nb * bb);
+        uint8_t *q = row + (has_min ? 4 : 2) * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = tmp + b * bb;
+            memcpy(row + 2 * b, blk, 2);
+            if (has_min) memcpy(row + 2 * nb + 2 * b, blk + 2, 2);
+            memcpy(q + b * qb, blk + bb - qb, qb);
         }
     }
     return 0;

@@ -1,4 +1,12 @@
-// The GGUF block formats the CPU kernels read: 32 weights per block, fp16 scale (and min) first.
+// The block formats the CPU kernels read: GGUF's Q4_0, Q4_1 and Q8_0 (32 weights per block, an fp16 scale,
+// and for Q4_1 an fp16 min), rearranged within each row (``qrepack``, once at load) so that a row's
+// scales, mins and quants each lie together:
+//
+//   GGUF row:    [d m q...][d m q...] ...        (block after block, block_bytes each)
+//   kernel row:  [d d ... d][m m ... m][q... q...]  (nb fp16 scales, nb fp16 mins for Q4_1, nb quant runs)
+//
+// The row's size is unchanged. A kernel converts eight scales with one instruction and reads each
+// block's quants alone, where the GGUF layout cost scalar conversions and loads in every block.
 #pragma once
 
 #include <immintrin.h>
@@ -15,6 +23,22 @@ static inline int block_bytes(int type) {
         case TYPE_Q8_0: return 34;  // fp16 d, 32 int8
         default: return 0;
     }
+}
+
+static inline int quant_bytes(int type) { return type == TYPE_Q8_0 ? 32 : 16; }
+
+// Where a kernel-layout row's parts start (``m`` is NULL but for Q4_1).
+typedef struct {
+    const uint8_t *d, *m, *q;
+} RowView;
+
+static inline RowView row_view(int type, const uint8_t *row, int64_t nb) {
+    RowView r = {row, NULL, row + 2 * nb};
+    if (type == TYPE_Q4_1) {
+        r.m = row + 2 * nb;
+        r.q = row + 4 * nb;
+    }
+    return r;
 }
 
 static inline float fp16_to_fp32(const uint8_t *p) {
