@@ -20,7 +20,7 @@ void add_rms_norm(float *x, const float *add, const float *w, int64_t rows, int6
 void silu_mul(const float *gu, int64_t rows, int64_t n, float *out);
 
 typedef struct {
-    const uint8_t *weight;  // (out, in / 32 * block bytes) GGUF blocks
+    const uint8_t *weight;  // (out, in / 32 * block bytes) GGUF blocks in the kernel layout (quant.h)
     const float *bias;      // (out,) or NULL
     int64_t in, out;
     int32_t type;           // ggml type id
