@@ -51,19 +51,18 @@ def _reference_attention(q, k_cache, v_cache, tables, token_seq, token_pos):
     return out
 
 
-@pytest.mark.parametrize("d", [64, 128, 40])
-def test_attention_reads_the_paged_cache_like_a_gather(d):
-    g = torch.Generator().manual_seed(d)
-    heads, hkv, block_size, num_blocks = 6, 2, 4, 64
+def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_blocks=64, seed=0):
+    """RoPE, the cache write and attention for the tokens given, against PyTorch."""
+    g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
     v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
-    tables = torch.randperm(num_blocks, generator=g)[:60].to(torch.int32).view(3, 20)
-    # a decode at position 41, a prefill chunk at positions 9..13 (attending to earlier context), a fresh token
-    token_seq = torch.tensor([0, 1, 1, 1, 1, 1, 2], dtype=torch.int32)
-    token_pos = torch.tensor([41, 9, 10, 11, 12, 13, 0], dtype=torch.int32)
+    per_seq = num_blocks // 3
+    tables = torch.randperm(num_blocks, generator=g)[: 3 * per_seq].to(torch.int32).view(3, per_seq)
+    token_seq = torch.tensor(token_seq, dtype=torch.int32)
+    token_pos = torch.tensor(token_pos, dtype=torch.int32)
     T = len(token_seq)
     qkv = torch.randn(T, (heads + 2 * hkv) * d, generator=g)
-    positions = torch.arange(64, dtype=torch.float32)
+    positions = torch.arange(per_seq * block_size, dtype=torch.float32)
     freqs = torch.outer(positions, torch.rand(d // 2, generator=g))
     cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
     slots = tables[token_seq].long().gather(1, (token_pos.long() // block_size).unsqueeze(1)).squeeze(1)
@@ -84,6 +83,25 @@ def test_attention_reads_the_paged_cache_like_a_gather(d):
     torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
     torch.testing.assert_close(out, expected.view(T, heads * d), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 128, 40])
+def test_attention_reads_the_paged_cache_like_a_gather(d):
+    # a decode at position 41, a prefill chunk at positions 9..13 (attending to earlier context), a fresh token
+    _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d)
+
+
+@pytest.mark.parametrize("hkv", [1, 3])
+def test_a_few_long_decodes_split_their_keys_over_threads_and_merge_exactly(hkv):
+    """Fewer (token, KV head) items than threads can share, long contexts: each item's keys are split into
+    ranges that are merged afterwards; a context shorter than the ranges leaves some empty."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split happens when items < 2 x threads
+    try:
+        _check_attention(64, 3 * hkv, hkv, [0], [1500], block_size=16, num_blocks=300)
+        _check_attention(64, 3 * hkv, hkv, [0, 1], [1100, 0], block_size=16, num_blocks=300, seed=1)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_add_rms_norm_and_silu_mul_match_pytorch():

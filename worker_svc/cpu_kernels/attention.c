@@ -8,9 +8,13 @@
 //
 // Work items are (token, kv head) pairs, split over threads with OpenMP. Per item: scores for all
 // keys (dot products), an exact max, exp with a vectorised polynomial, then the weighted sum of V.
+// When there are fewer items than threads can share evenly (one stream decoding: 1 token x 3 KV
+// heads on 2 threads left one idle a third of the time) and the context is long, each item's keys
+// are split into ranges computed apart, then merged by their maxima and sums (as flash-decoding does).
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,8 +32,8 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
-// Softmax in place over s[0..n): returns nothing, s becomes probabilities.
-static void softmax(float *s, int64_t n) {
+// s[0..n) -> exp(s - max) in place; returns the max, and the sum of the exps in *sum.
+static float exp_shifted(float *s, int64_t n, float *sum) {
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     const __m256 vmx = _mm256_set1_ps(mx);
@@ -40,41 +44,45 @@ static void softmax(float *s, int64_t n) {
         _mm256_storeu_ps(s + j, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = hsum8(vsum);
+    float total = hsum8(vsum);
     for (; j < n; j++) {
         s[j] = expf(s[j] - mx);
-        sum += s[j];
+        total += s[j];
     }
-    const float inv = 1.0f / sum;
-    for (j = 0; j < n; j++) s[j] *= inv;
+    *sum = total;
+    return mx;
 }
 
-enum { MAX_D = 256 };
+enum { MAX_D = 256, MIN_SPLIT_KEYS = 256 };
 
-// One (token, kv head) item: G query heads against ctx keys of one sequence.
+// One (token, kv head) item over keys [j0, j1): G query heads against those keys of one sequence.
+// out_g = sum_j exp(s_gj - mx_g) v_j, not yet divided by sum_g (the caller merges or normalizes).
 static inline __attribute__((always_inline)) void attend(const float *qt, const float *k_cache,
                                                           const float *v_cache, const int32_t *table,
-                                                          int64_t ctx, int64_t block_size, int64_t row,
+                                                          int64_t j0, int64_t j1, int64_t block_size, int64_t row,
                                                           int64_t G, int64_t D, float scale, float *scores,
-                                                          float *out) {
-    // scores[g * ctx + j] = q_g . k_j * scale, walking the block table block by block
-    for (int64_t j0 = 0, blk = 0; j0 < ctx; j0 += block_size, blk++) {
+                                                          float *out, float *mx, float *sum) {
+    const int64_t n = j1 - j0;
+    // scores[g * n + j - j0] = q_g . k_j * scale, walking the block table block by block
+    for (int64_t j = j0; j < j1;) {
+        const int64_t blk = j / block_size, o0 = j % block_size;
         const float *kb = k_cache + (int64_t)table[blk] * block_size * row;
-        const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-        for (int64_t o = 0; o < n; o++)
-            for (int64_t g = 0; g < G; g++) scores[g * ctx + j0 + o] = dot(qt + g * D, kb + o * row, D) * scale;
+        const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
+        for (int64_t o = o0; j < stop; o++, j++)
+            for (int64_t g = 0; g < G; g++) scores[g * n + j - j0] = dot(qt + g * D, kb + o * row, D) * scale;
     }
-    for (int64_t g = 0; g < G; g++) softmax(scores + g * ctx, ctx);
-    // out_g = sum_j p_gj v_j, accumulated in registers (D / 8 vectors) one head at a time
+    for (int64_t g = 0; g < G; g++) mx[g] = exp_shifted(scores + g * n, n, sum + g);
+    // out_g accumulated in registers (D / 8 vectors) one head at a time
     for (int64_t g = 0; g < G; g++) {
         __m256 acc[MAX_D / 8];
         for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_setzero_ps();
-        const float *p = scores + g * ctx;
-        for (int64_t j0 = 0, blk = 0; j0 < ctx; j0 += block_size, blk++) {
+        const float *p = scores + g * n;
+        for (int64_t j = j0; j < j1;) {
+            const int64_t blk = j / block_size, o0 = j % block_size;
             const float *vb = v_cache + (int64_t)table[blk] * block_size * row;
-            const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-            for (int64_t o = 0; o < n; o++) {
-                const __m256 pj = _mm256_set1_ps(p[j0 + o]);
+            const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
+            for (int64_t o = o0; j < stop; o++, j++) {
+                const __m256 pj = _mm256_set1_ps(p[j - j0]);
                 for (int64_t d = 0; d < D / 8; d++)
                     acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vb + o * row + 8 * d), acc[d]);
             }
@@ -83,33 +91,91 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
     }
 }
 
+static inline void attend_any_d(const float *qt, const float *kc, const float *vc, const int32_t *table, int64_t j0,
+                                int64_t j1, int64_t block_size, int64_t row, int64_t G, int64_t D, float scale,
+                                float *scores, float *out, float *mx, float *sum) {
+    if (D == 64) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum);
+    else if (D == 128) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum);
+    else attend(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum);
+}
+
 // q: (T, H, D) with rows q_stride floats apart; out: (T, H, D) contiguous; k_cache, v_cache:
 // (num_blocks, block_size, Hkv, D); block_tables: (B, max_blocks) int32; q_seq, q_pos: (T,) int32.
-// D must be a multiple of 8, at most 256. Returns 0, or -1 on bad shapes.
+// D must be a multiple of 8, at most 256. Returns 0, or -1 on bad shapes (or no memory).
 int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
                     int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out) {
     if (D % 8 != 0 || D > MAX_D || Hkv <= 0 || H % Hkv != 0) return -1;
-    const int64_t G = H / Hkv;
+    const int64_t G = H / Hkv, items = T * Hkv;
     int64_t max_ctx = 0;
     for (int64_t t = 0; t < T; t++) max_ctx = q_pos[t] + 1 > max_ctx ? q_pos[t] + 1 : max_ctx;
     const int64_t row = Hkv * D;  // floats per cache slot
+    // key ranges per item: enough items for every thread to get two, ranges of at least MIN_SPLIT_KEYS
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = items < 2 * threads ? (2 * threads + items - 1) / items : 1;
+    if (splits > max_ctx / MIN_SPLIT_KEYS) splits = max_ctx / MIN_SPLIT_KEYS > 1 ? max_ctx / MIN_SPLIT_KEYS : 1;
+    // per (item, range, head): the unnormalized output (D), its max and its sum
+    float *part = splits > 1 ? malloc(items * splits * G * (D + 2) * sizeof(float)) : NULL;
+    if (splits > 1 && part == NULL) return -1;
+    float *part_mx = part ? part + items * splits * G * D : NULL, *part_sum = part ? part_mx + items * splits * G : NULL;
+    const int64_t span = (max_ctx + splits - 1) / splits;  // keys per range (of the longest context)
 #pragma omp parallel
     {
-        float *scores = aligned_alloc(32, ((G * max_ctx + 7) / 8 * 8) * sizeof(float));
+        float *scores = aligned_alloc(32, ((G * (splits > 1 ? span : max_ctx) + 7) / 8 * 8) * sizeof(float));
+        float mx[MAX_D], sum[MAX_D];  // G <= H; heads per KV head beyond MAX_D are not a real model
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < T * Hkv; item++) {
+        for (int64_t work = 0; work < items * splits; work++) {
+            const int64_t item = work / splits, range = work % splits;
             const int64_t t = item / Hkv, kvh = item % Hkv, ctx = q_pos[t] + 1;
             const int32_t *table = block_tables + (int64_t)q_seq[t] * max_blocks;
             const float *qt = q + t * q_stride + kvh * G * D;
-            float *ot = out + (t * H + kvh * G) * D;
             const float *kc = k_cache + kvh * D, *vc = v_cache + kvh * D;
-            if (D == 64) attend(qt, kc, vc, table, ctx, block_size, row, G, 64, scale, scores, ot);
-            else if (D == 128) attend(qt, kc, vc, table, ctx, block_size, row, G, 128, scale, scores, ot);
-            else attend(qt, kc, vc, table, ctx, block_size, row, G, D, scale, scores, ot);
+            if (splits == 1) {
+                float *ot = out + (t * H + kvh * G) * D;
+                attend_any_d(qt, kc, vc, table, 0, ctx, block_size, row, G, D, scale, scores, ot, mx, sum);
+                for (int64_t g = 0; g < G; g++) {
+                    const __m256 inv = _mm256_set1_ps(1.0f / sum[g]);
+                    for (int64_t d = 0; d < D; d += 8)
+                        _mm256_storeu_ps(ot + g * D + d, _mm256_mul_ps(_mm256_loadu_ps(ot + g * D + d), inv));
+                }
+                continue;
+            }
+            // this item's keys in `splits` equal ranges (a shorter context has empty ones)
+            const int64_t each = (ctx + splits - 1) / splits, j0 = range * each < ctx ? range * each : ctx;
+            const int64_t j1 = j0 + each < ctx ? j0 + each : ctx;
+            float *po = part + work * G * D, *pm = part_mx + work * G, *ps = part_sum + work * G;
+            if (j0 == j1) {
+                for (int64_t g = 0; g < G; g++) pm[g] = -INFINITY, ps[g] = 0.0f;
+                continue;
+            }
+            attend_any_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, po, pm, ps);
         }
         free(scores);
+        if (splits > 1) {
+#pragma omp for schedule(static)
+            for (int64_t head = 0; head < T * H; head++) {  // merge an item's ranges, head by head
+                const int64_t t = head / H, h = head % H, item = t * Hkv + h / G, g = h % G;
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t r = 0; r < splits; r++) {
+                    const float m = part_mx[(item * splits + r) * G + g];
+                    top = m > top ? m : top;
+                }
+                float *ot = out + head * D;
+                for (int64_t d = 0; d < D; d++) ot[d] = 0.0f;
+                for (int64_t r = 0; r < splits; r++) {
+                    const int64_t at = (item * splits + r) * G + g;
+                    if (part_sum[at] == 0.0f) continue;
+                    const float w = expf(part_mx[at] - top);
+                    total += w * part_sum[at];
+                    const float *po = part + at * D;
+                    for (int64_t d = 0; d < D; d++) ot[d] += w * po[d];
+                }
+                const float inv = 1.0f / total;
+                for (int64_t d = 0; d < D; d++) ot[d] *= inv;
+            }
+        }
     }
+    free(part);
     return 0;
 }
 
