@@ -226,16 +226,27 @@ class AioAuthInterceptor(grpc.aio.ServerInterceptor):
         self.max_streams = max_streams_per_key
         self.streams: Counter[str] = Counter()  # touched only on the event loop: no lock
 
-    def _owner(self, context) -> str:
+    def identify(self, metadata) -> str:
+        """The name of the key in ``metadata`` (gRPC metadata or HTTP headers: pairs), "" when keys are off."""
         if not self.keys:
             return ""
-        presented = presented_key(context.invocation_metadata() or ())
+        presented = presented_key(metadata or ())
         if not presented:
-            raise Unauthenticated("missing API key: send the metadata 'authorization: Bearer <key>'")
+            raise Unauthenticated("missing API key: send 'authorization: Bearer <key>'")
         name = self.keys.identify(presented)
         if name is None:
             raise Unauthenticated("invalid API key")
         return name
+
+    def open_stream(self, owner: str) -> None:
+        """Count a stream of ``owner``'s, or refuse it beyond --max-streams-per-key (call on the event loop)."""
+        if self.max_streams and self.streams[owner] >= self.max_streams:
+            who = f"API key {owner!r}" if owner else "this server"
+            raise ResourceExhausted(f"{who} already has {self.max_streams} streams open (--max-streams-per-key)")
+        self.streams[owner] += 1
+
+    def close_stream(self, owner: str) -> None:
+        self.streams[owner] -= 1
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -245,17 +256,14 @@ class AioAuthInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def streamed(request, context):
-                owner = self._owner(context)
+                owner = self.identify(context.invocation_metadata())
                 OWNER.set(owner)
-                if self.max_streams and self.streams[owner] >= self.max_streams:
-                    who = f"API key {owner!r}" if owner else "this server"
-                    raise ResourceExhausted(f"{who} already has {self.max_streams} streams open (--max-streams-per-key)")
-                self.streams[owner] += 1
+                self.open_stream(owner)
                 try:
                     async for response in inner_stream(request, context):
                         yield response
                 finally:
-                    self.streams[owner] -= 1
+                    self.close_stream(owner)
 
             return grpc.unary_stream_rpc_method_handler(
                 streamed, request_deserializer=handler.request_deserializer,
@@ -264,7 +272,7 @@ class AioAuthInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.unary_unary
 
         async def unary(request, context):
-            OWNER.set(self._owner(context))
+            OWNER.set(self.identify(context.invocation_metadata()))
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(

@@ -43,6 +43,7 @@ class UpConfig:
     model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a .gguf file, or a Hugging Face folder")
     host: str = setting("127.0.0.1", "address of the public API (0.0.0.0 to accept other machines)")
     port: int = setting(50051, "port of the public API")
+    http_port: int = setting(8000, "port of the OpenAI-compatible HTTP API (-1: off)")
     redis_url: str = setting("", "use this Redis instead of starting a private redis-server", secret=True)
     data_dir: str = setting("", "folder of the private Redis's append-only file (default: a temporary folder)")
     worker_port: int = setting(50053, "worker port (0: any free port)")
@@ -121,6 +122,7 @@ class Stack:
 
     children: list[Child] = field(default_factory=list)
     endpoint: str = ""
+    http_endpoint: str = ""  # the OpenAI-compatible HTTP API's base URL ("" when off)
     redis_url: str = ""
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -271,7 +273,8 @@ def start(cfg: UpConfig) -> Stack:
                            "--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),
                            "--finished-ttl", str(cfg.finished_ttl), *redis_flags, *common],
              address["scheduler"], "conveyor.v1.Scheduler"),
-            ("frontend", ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port), "--internal-port",
+            ("frontend", ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+                          "--http-port", str(cfg.http_port), "--internal-port",
                           str(ports["deliver"]), "--scheduler", address["scheduler"], "--detokenizer",
                           address["detokenizer"], "--max-streams-per-key", str(cfg.max_streams_per_key),
                           *_security_flags(cfg), *redis_flags, *common],
@@ -287,6 +290,9 @@ def start(cfg: UpConfig) -> Stack:
             if child.health:
                 _wait_serving(child, deadline)
         stack.endpoint = f"{cfg.host}:{cfg.port}"
+        if cfg.http_port >= 0:
+            scheme = "https" if cfg.tls_cert else "http"
+            stack.http_endpoint = f"{scheme}://{cfg.host}:{cfg.http_port}"
         return stack
     except BaseException:
         stack.stop()
@@ -307,6 +313,9 @@ def run(cfg: UpConfig) -> int:
     print(f"Conveyor is serving {cfg.model} at {stack.endpoint} (Redis {redact(stack.redis_url)}). Ctrl-C stops it.",
           flush=True)
     print(f'  try: conveyor generate --target {stack.endpoint} "The capital of France is"', flush=True)
+    if stack.http_endpoint:
+        print(f"  or the OpenAI API: curl {stack.http_endpoint}/v1/completions -H 'Content-Type: application/json' "
+              """-d '{"prompt": "The capital of France is", "max_tokens": 16}'""", flush=True)
     status = 0
     while not stopping:
         failing = stack.supervise_once(cfg.max_restarts)

@@ -53,6 +53,11 @@ SPECS = [
     Spec("conveyor_resumed_streams_total", Counter, "Client streams resumed by request id (Resume).", "frontend"),
     Spec("conveyor_stalled_streams_total", Counter, "Client streams found behind Redis and replayed (a delivery "
          "was lost while a process restarted).", "frontend"),
+    Spec("conveyor_http_requests_total", Counter, "OpenAI HTTP API requests answered, by route and HTTP status.",
+         "frontend", ("route", "status")),
+    Spec("conveyor_http_request_seconds", Histogram, "OpenAI HTTP API: request arrival to the response's headers "
+         "(a stream's first byte; the whole body for the rest), by route.", "frontend", ("route",),
+         buckets=LATENCY_BUCKETS),
     # scheduler: queue, cache, steps
     Spec("conveyor_requests_running", Gauge, "Requests in the running set.", "scheduler"),
     Spec("conveyor_requests_waiting", Gauge, "Requests in the waiting queue.", "scheduler"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ FREE_METRICS_FLAGS = [a for name in ("frontend", "scheduler", "worker", "detoken
 def start_stack(data_dir, **overrides) -> launcher.Stack:
     """``conveyor up``'s stack on free ports (metrics included), quiet logs; ``overrides``: UpConfig fields.
     Exact numerics unless overridden: tests compare greedy outputs across batchings and with transformers."""
-    settings = dict(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
+    settings = dict(port=free_port(), http_port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
                     data_dir=str(data_dir), log_level="WARNING", numerics="exact", **FREE_METRICS_PORTS)
     return launcher.start(launcher.UpConfig(**(settings | overrides)))
 
@@ -63,7 +64,7 @@ def extra_frontend(stack: launcher.Stack, *flags: str) -> tuple[subprocess.Popen
     """Another frontend on ``stack`` (its scheduler, detokenizer and Redis), SERVING; returns it and its
     public address. The caller stops it."""
     port, internal = free_port(), free_port()
-    proc = spawn("serve", "frontend", "--port", str(port), "--internal-port", str(internal),
+    proc = spawn("serve", "frontend", "--port", str(port), "--internal-port", str(internal), "--http-port", "-1",
                  "--scheduler", stack.child("scheduler").health, "--detokenizer", stack.child("detokenizer").health,
                  "--redis-url", stack.redis_url, "--log-level", "WARNING", *flags)
     wait_serving(f"127.0.0.1:{internal}", "conveyor.v1.Frontend", proc)
@@ -141,3 +142,23 @@ class TinyScheduler:
                 self.free_blocks += s["blocks"]
                 s["blocks"] = []
         return [s["out"] for s in seqs], [s["lp"] for s in seqs]
+
+
+def scheduler_stats(stack):
+    """The scheduler's Stats (running, waiting, free blocks ...)."""
+    import grpc
+
+    from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(stack.child("scheduler").health) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=10)
+
+
+def drained(stack, timeout: float = 10.0):
+    """The scheduler's Stats once nothing runs or waits and every block is free (or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = scheduler_stats(stack)
+        if (stats.running, stats.waiting, stats.free_blocks) == (0, 0, stats.num_blocks) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import ROOT, conveyor_command, extra_frontend, start_stack, stop
+from helpers import ROOT, conveyor_command, drained, extra_frontend, scheduler_stats, start_stack, stop
 
 from conveyor.client import Client
 from conveyor.errors import AlreadyExists, ConveyorError, InvalidArgument
@@ -90,20 +90,6 @@ def _serving(stack, name: str) -> bool:
             return stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
-
-
-def _scheduler_stats(stack) -> scheduler_pb2.StatsResponse:
-    with grpc.insecure_channel(stack.child("scheduler").health) as channel:
-        return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=10)
-
-
-def _drained(stack, timeout: float = 10.0) -> scheduler_pb2.StatsResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = _scheduler_stats(stack)
-        if (stats.running, stats.waiting, stats.free_blocks) == (0, 0, stats.num_blocks) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- 1. secrets in --help
@@ -215,7 +201,7 @@ def test_a_request_that_fails_every_step_ends_alone_and_the_others_finish(stack,
     assert elapsed < 60
     record = _store(stack).find("poison-1")
     assert record.finish_reason == "error" and "injected fault" in record.error
-    assert _drained(stack).free_blocks == _scheduler_stats(stack).num_blocks  # nothing left holding blocks
+    assert drained(stack).free_blocks == scheduler_stats(stack).num_blocks  # nothing left holding blocks
 
 
 def test_an_engine_loop_that_dies_says_so_and_goes_not_serving(redis_server):

@@ -218,7 +218,8 @@ def test_compose_commands_ports_and_health_checks_match_the_cli():
     assert scheduler.worker == f"worker:{addresses['worker']}"
     assert scheduler.detokenizer == f"detokenizer:{addresses['detokenizer']}"
     assert frontend.advertise == f"frontend:{frontend.internal_port}"
-    assert compose["services"]["frontend"]["ports"] == [f"${{CONVEYOR_PORT:-50051}}:{addresses['frontend']}"]
+    assert compose["services"]["frontend"]["ports"] == [f"${{CONVEYOR_PORT:-50051}}:{addresses['frontend']}",
+                                                        f"${{CONVEYOR_HTTP_PORT:-8000}}:{frontend.http_port}"]
     scrape_targets = json.loads((ROOT / "deploy" / "prometheus" / "targets" / "conveyor.json").read_text())
     for entry in scrape_targets:
         service = entry["labels"]["service"]

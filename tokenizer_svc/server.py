@@ -13,17 +13,18 @@ blocks (Redis, the scheduler's Submit and Abort) runs on a small thread pool, of
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
-import threading
+import ssl
 import time
-from concurrent.futures import ThreadPoolExecutor
+
+import uvicorn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor import grpc_util
-from conveyor.errors import ConveyorError, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
@@ -32,13 +33,14 @@ from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.wire import FINISH_FROM_PB, FINISH_TO_PB
 from tokenizer_svc.config import FrontendConfig
-from tokenizer_svc.frontend import ClientDelta, ClientStream, Frontend
+from tokenizer_svc.frontend import ClientDelta, Frontend
+from tokenizer_svc.openai_api import OpenAIApi
+from tokenizer_svc.streaming import Blocking, RequestTimer, follow
 from tokenizer_svc.validation import GenerateInput, Limits
 
 log = logging.getLogger("conveyor.frontend")
 PUBLIC_SERVICE = conveyor_pb2.DESCRIPTOR.services_by_name["Conveyor"].full_name
 INTERNAL_SERVICE = frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name
-POLL_SECONDS = 0.25  # how often a waiting stream checks that its client is still there
 
 
 # ---------------------------------------------------------------- protobuf <-> dataclasses
@@ -149,133 +151,37 @@ class DetokenizerClient:
 # ---------------------------------------------------------------- the services
 
 
-class RequestTimer:
-    """The client-side latencies of one request, recorded into the frontend's metrics."""
-
-    def __init__(self, metrics: Metrics):
-        self.m = metrics
-        self.arrival = time.perf_counter()
-        self.first: float | None = None
-        self.last = self.arrival
-        self.tokens = 0
-
-    def sent(self, delta: ClientDelta) -> None:
-        now, k = time.perf_counter(), len(delta.token_ids)
-        if k:
-            if self.first is None:  # the first token's latency is the TTFT; any others came with it
-                self.first = now
-                self.m.time_to_first_token_seconds.observe(now - self.arrival)
-                count, gap = k - 1, 0.0
-            else:
-                count, gap = k, now - self.last
-            for _ in range(count):
-                self.m.inter_token_latency_seconds.observe(gap / count)
-            self.m.generation_tokens.inc(k)
-            self.tokens += len(delta.token_ids)
-            self.last = now
-        if delta.finish_reason is not None:
-            self.finished(delta.finish_reason, delta.prompt_tokens)
-
-    def finished(self, reason: str, prompt_tokens: int) -> None:
-        e2e = time.perf_counter() - self.arrival
-        self.m.e2e_request_latency_seconds.observe(e2e)
-        self.m.requests.labels(finish_reason=reason).inc()
-        self.m.prompt_tokens.inc(prompt_tokens)
-        self.m.request_prompt_tokens.observe(prompt_tokens)
-        self.m.request_generation_tokens.observe(self.tokens)
-        if self.first is not None and self.tokens > 1:
-            self.m.time_per_output_token_seconds.observe((e2e - (self.first - self.arrival)) / (self.tokens - 1))
-
-
 class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
     """The public API on the event loop (see the module doc). The caller's API key name (its requests'
     owner) is in ``grpc_util.OWNER``, set by the auth interceptor."""
 
     def __init__(self, frontend: Frontend, info: conveyor_pb2.ServerInfoResponse, metrics: Metrics,
-                 request_timeout: float = 0.0, pool: ThreadPoolExecutor | None = None):
+                 request_timeout: float = 0.0, io: Blocking | None = None):
         self.frontend = frontend
         self.info = info
         self.metrics = metrics
         self.request_timeout = request_timeout
-        self.pool = pool or ThreadPoolExecutor(16, thread_name_prefix="frontend-io")
-
-    async def _blocking(self, call, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(call, *args))
-
-    async def _open(self, call, *args) -> ClientStream:
-        """A stream opened by ``call`` on the pool. If the client goes away meanwhile, the stream is
-        closed (its request aborted) once it is open: the pool's work cannot be cancelled midway."""
-        opening = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(call, *args))
-        try:
-            return await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            def close(done: asyncio.Future) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.pool.submit(self.frontend.close, done.result().request_id, done.result())
-            opening.add_done_callback(close)
-            raise
+        self.io = io or Blocking(frontend)
 
     async def Generate(self, request, context):
         timer = RequestTimer(self.metrics)
         try:
-            stream = await self._open(self.frontend.open, input_from_pb(request), grpc_util.OWNER.get())
+            stream = await self.io.open(self.frontend.open, input_from_pb(request), grpc_util.OWNER.get())
         except ConveyorError as exc:
             self.metrics.requests_rejected.labels(reason=exc.code.lower()).inc()
             raise
-        async for response in self._follow(stream, timer):
-            yield response
+        async for delta in follow(stream, self.io, timer, self.metrics, self.request_timeout):
+            yield client_delta_to_pb(delta)
 
     async def Resume(self, request, context):
-        stream = await self._open(self.frontend.resume, request.request_id, request.token_index, request.text_offset,
-                                  grpc_util.OWNER.get())
+        stream = await self.io.open(self.frontend.resume, request.request_id, request.token_index,
+                                    request.text_offset, grpc_util.OWNER.get())
         self.metrics.resumed_streams.inc()
-        async for response in self._follow(stream, RequestTimer(self.metrics)):
-            yield response
-
-    async def _follow(self, stream: ClientStream, timer: RequestTimer):
-        """Forward a stream's deltas to the client until it finishes or the client goes away (gRPC then
-        cancels this coroutine: ``finally`` closes the stream, which aborts the request)."""
-        loop, here = asyncio.get_running_loop(), threading.get_ident()
-        ready = asyncio.Event()
-        # deltas come from Deliver (this loop) or from a replay on the pool (another thread)
-        stream.wake = lambda: ready.set() if threading.get_ident() == here else loop.call_soon_threadsafe(ready.set)
-        self.metrics.client_streams.inc()
-        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
-        ended = False
-        try:
-            while True:
-                if deadline is not None and time.monotonic() > deadline:
-                    ended = True
-                    timer.finished("abort", stream.prompt_tokens)
-                    raise DeadlineExceeded(f"the request ran longer than {self.request_timeout:g} s (--request-timeout)")
-                ready.clear()
-                delta = stream.take()
-                if delta is None:
-                    try:
-                        async with asyncio.timeout(POLL_SECONDS):
-                            await ready.wait()
-                    except TimeoutError:
-                        await self._blocking(self.frontend.keep_up, stream)
-                    continue
-                if delta.finish_reason == "error":  # the request could not be computed: say why
-                    ended = True
-                    timer.finished("error", stream.prompt_tokens)
-                    why = await self._blocking(self.frontend.failure, stream)
-                    raise ConveyorError(f"request_id {stream.client_id!r} failed: {why}")
-                yield client_delta_to_pb(delta)
-                timer.sent(delta)
-                if delta.finish_reason is not None:
-                    ended = True
-                    return
-        finally:
-            if not ended:  # cancelled, disconnected or past the client's own deadline
-                timer.finished("abort", stream.prompt_tokens)
-            stream.wake = lambda: None
-            self.metrics.client_streams.dec()
-            self.pool.submit(self.frontend.close, stream.request_id, stream)
+        async for delta in follow(stream, self.io, RequestTimer(self.metrics), self.metrics, self.request_timeout):
+            yield client_delta_to_pb(delta)
 
     async def Abort(self, request, context):
-        aborted = await self._blocking(self.frontend.abort, request.request_id, grpc_util.OWNER.get())
+        aborted = await self.io.run(self.frontend.abort, request.request_id, grpc_util.OWNER.get())
         return conveyor_pb2.AbortResponse(aborted=aborted)
 
     async def Tokenize(self, request, context):
@@ -285,7 +191,7 @@ class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
         inp = GenerateInput(prompt=request.prompt) if kind == "prompt" else GenerateInput()
         if kind == "chat":
             inp.messages, inp.add_generation_prompt = _chat(request.chat)
-        text, ids = await self._blocking(self.frontend.render, inp)
+        text, ids = await self.io.run(self.frontend.render, inp)
         return conveyor_pb2.TokenizeResponse(token_ids=ids, text=text)
 
     async def ServerInfo(self, request, context):
@@ -303,8 +209,10 @@ class FrontendService(frontend_pb2_grpc.FrontendServicer):
         return frontend_pb2.DeliverResponse(unknown_request_ids=unknown)
 
 
-async def follow_scheduler(scheduler: SchedulerClient, health, metrics: Metrics, every: float = 0.5) -> None:
-    """Keep the public health NOT_SERVING while the scheduler (or its worker or Redis) is down."""
+async def follow_scheduler(scheduler: SchedulerClient, health, metrics: Metrics, http: OpenAIApi | None,
+                           every: float = 0.5) -> None:
+    """Keep the public health NOT_SERVING (and the HTTP API's ``/health`` 503) while the scheduler (or its
+    worker or Redis) is down."""
     loop = asyncio.get_running_loop()
     serving = True
     while True:
@@ -313,7 +221,42 @@ async def follow_scheduler(scheduler: SchedulerClient, health, metrics: Metrics,
         if now != serving:
             log.warning("the scheduler is %s", "back" if now else "down; health is NOT_SERVING")
             await grpc_util.set_aio_serving(health, [PUBLIC_SERVICE], now, metrics)
+            if http is not None:
+                http.serving = now
             serving = now
+
+
+class HttpServer:
+    """uvicorn on the frontend's event loop (the loop's own SIGTERM handling stops it)."""
+
+    def __init__(self, server: uvicorn.Server):
+        self.server = server
+        self.task = asyncio.create_task(server.serve())
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the frontend's loop handles SIGINT and SIGTERM for every listener
+        yield
+
+
+async def serve_http(api: OpenAIApi, cfg: FrontendConfig) -> HttpServer:
+    """Start the OpenAI HTTP API on --host:--http-port (with the public API's TLS certificate when it has one)."""
+    config = uvicorn.Config(api.app(), host=cfg.host, port=cfg.http_port, log_level="warning", access_log=False,
+                            lifespan="off", ssl_certfile=cfg.tls_cert or None, ssl_keyfile=cfg.tls_key or None,
+                            ssl_ca_certs=cfg.tls_client_ca or None,
+                            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_client_ca else ssl.CERT_NONE)
+    server = HttpServer(_Uvicorn(config))
+    while not server.server.started:  # listening (or failed: then the task says why)
+        if server.task.done():
+            server.task.result()
+            raise OSError(f"the HTTP API could not listen on {cfg.host}:{cfg.http_port}")
+        await asyncio.sleep(0.01)
+    return server
 
 
 def serve(cfg: FrontendConfig) -> None:
@@ -347,22 +290,30 @@ def serve(cfg: FrontendConfig) -> None:
         public = grpc_util.make_aio_server(metrics=metrics, interceptors=[auth], max_message_bytes=cfg.max_message_bytes,
                                            max_concurrent_rpcs=cfg.max_streams + 8, options=grpc_util.PUBLIC_KEEPALIVE)
         public_health = await grpc_util.add_aio_health_and_reflection(public, [PUBLIC_SERVICE])
+        io = Blocking(frontend)
         conveyor_pb2_grpc.add_ConveyorServicer_to_server(
-            ConveyorService(frontend, info, metrics, cfg.request_timeout), public)
+            ConveyorService(frontend, info, metrics, cfg.request_timeout, io), public)
         tls = grpc_util.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
         port = grpc_util.bind(public, cfg.host, cfg.port, tls)
+        http = OpenAIApi(frontend, io, metrics, sinfo.model_name, auth, cfg.request_timeout) if cfg.http_port >= 0 else None
         await internal.start()
         await public.start()
+        http_server = await serve_http(http, cfg) if http is not None else None
         await grpc_util.set_aio_serving(internal_health, [INTERNAL_SERVICE], True)
         await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], True, metrics)
-        watch = asyncio.create_task(follow_scheduler(scheduler, public_health, metrics))
-        log.info("frontend serving %s on %s:%d%s%s (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name,
+        watch = asyncio.create_task(follow_scheduler(scheduler, public_health, metrics, http))
+        log.info("frontend serving %s on %s:%d%s%s%s (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name,
                  cfg.host, port, " with TLS" if tls else "", f", {len(keys.digests)} API keys" if keys else "",
-                 cfg.internal_host, internal_port, cfg.metrics_host, metrics_port)
+                 f", OpenAI HTTP API on port {cfg.http_port}" if http else "", cfg.internal_host, internal_port,
+                 cfg.metrics_host, metrics_port)
 
         async def stop() -> None:
             watch.cancel()
+            if http is not None:
+                http.serving = False
             await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], False, metrics)
+            if http_server is not None:
+                await http_server.stop()
             await internal.stop(5)
 
         await grpc_util.aio_wait_for_termination(public, on_stop=stop)

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible HTTP API, with the ``openai`` client users have and raw HTTP for the wire details."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from helpers import drained, start_stack
+
+from conveyor.client import Client
+from conveyor.launcher import free_port
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+KEY = "sk-test-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("http")
+    (folder / "keys").write_text(f"tester:{KEY}\n")
+    s = start_stack(folder, http_port=free_port(), kv_cache_bytes=128 << 20, api_keys_file=str(folder / "keys"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def base(stack):
+    return stack.http_endpoint
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def sse(response: httpx.Response) -> list:
+    """The events of an SSE body: parsed JSON, or the string "[DONE]"."""
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: ") and "\n" not in block, block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_greedy_completion_is_the_grpc_apis_output(stack, client, model):
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    with Client(stack.endpoint, api_key=KEY, timeout=120) as grpc_client:
+        expected = "".join(d.text for d in grpc_client.stream(PROMPT, max_tokens=12, temperature=0))
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_chat_stream_sends_the_role_once_one_finish_and_the_usage_before_done(base):
+    body = {"messages": CHAT, "max_tokens": 10, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = httpx.post(base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 10
+    assert len({c["id"] for c in events[:-1]}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert [("role" in c["choices"][0]["delta"]) for c in chunks] == [True] + [False] * (len(chunks) - 1)
+    assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    plain = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=120).json()
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == plain["choices"][0]["message"]["content"]
+
+
+def test_the_openai_client_streams_and_n_gives_n_choices(client, model):
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert text
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=3, temperature=0.8, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 18
+    again = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=3, temperature=0.8, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
+
+
+def test_stop_strings_are_trimmed(client, model):
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = full.strip().split()[1]
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
+
+
+def test_async_client(base, model):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120) as aclient:
+            return await aclient.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0)
+
+    r = asyncio.run(run())
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
+    ({"prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": PROMPT, "n": 0}, 400, "n"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_fields_get_openais_error_shape_naming_the_field(base, body, status, param):
+    r = httpx.post(base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == status and error["param"] == param and param in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_keys_routes_and_bodies_are_checked(base):
+    ok = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(base + "/v1/completions", json={"prompt": PROMPT}).status_code == 401
+    assert httpx.post(base + "/v1/completions", json={"prompt": PROMPT},
+                      headers={"Authorization": "Bearer sk-wrong-0123456789"}).status_code == 401
+    assert httpx.get(base + "/v1/nothing", headers=ok).status_code == 404
+    assert httpx.get(base + "/v1/models/gpt-4", headers=ok).status_code == 404
+    bad_utf8 = httpx.post(base + "/v1/completions", content=b'{"prompt": "\xff"}',
+                          headers={**ok, "content-type": "application/json"})
+    assert bad_utf8.status_code == 400 and bad_utf8.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.post(base + "/v1/completions", content=b"prompt=x", headers=ok).status_code == 400
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_request(stack, base):
+    body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token arrived: the request runs
+    stats = drained(stack)
+    assert (stats.running, stats.free_blocks) == (0, stats.num_blocks), "the request still runs"

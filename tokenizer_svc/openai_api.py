@@ -1,0 +1,430 @@
+"""The OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``.
+
+It is a second listener of the frontend (Starlette on uvicorn, on the same event loop as the gRPC API),
+not a gateway process in front of it: a token reaches an HTTP client with one SSE write on the loop
+that already holds its stream, where a gateway would add a gRPC message and a process per token. It
+uses the same core as ``conveyor.v1.Conveyor``: the same validation and limits, the same API keys
+(``Authorization: Bearer``) and per-key stream limit, the same request ownership.
+
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status
+of the gRPC code the core raised (400 a bad field, named; 401; 404; 429; 503; 504). Unknown fields are
+ignored, as OpenAI ignores them; a known field of the wrong type is a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from conveyor import grpc_util
+from conveyor.errors import ConveyorError, NotFound
+from conveyor.metrics import Metrics
+from tokenizer_svc.frontend import ClientDelta, ClientStream, Frontend
+from tokenizer_svc.streaming import Blocking, RequestTimer, follow
+from tokenizer_svc.validation import GenerateInput
+
+MAX_BODY_BYTES = 8 << 20
+MAX_N = 16
+STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "ALREADY_EXISTS": 409,
+          "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+              503: "service_unavailable", 504: "timeout"}
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+ROUTES = ("/v1/models", "/v1/models/{model}", "/v1/completions", "/v1/chat/completions")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param,
+                      "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _from_conveyor(exc: ConveyorError) -> HttpError:
+    """The core's error as HTTP: the field it names (validation messages start with it) becomes ``param``,
+    without the gRPC message's prefixes (``sampling.``, ``stop.``)."""
+    message = str(exc)
+    for prefix in ("sampling.", "stop.", "chat."):
+        message = message.removeprefix(prefix)
+    status = STATUS.get(exc.code, 500)
+    param = message.split(" ", 1)[0] if status == 400 else None
+    return HttpError(status, message, param, exc.code.lower())
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], default=None):
+    """``body[name]`` when present and not null, checked against ``kinds`` (bool is not a number here)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        names = " or ".join({int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+                             list: "an array", dict: "an object"}[k] for k in kinds)
+        raise HttpError(400, f"{name} must be {names}, got {type(value).__name__}", name)
+    return value
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise HttpError(400, "stop must be a string or an array of strings", "stop")
+    return stop
+
+
+def _int_list(body: dict, name: str) -> list[int]:
+    values = _get(body, name, (list,), [])
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise HttpError(400, f"{name} must be an array of integers", name)
+    return values
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    bias = _get(body, "logit_bias", (dict,), {})
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise HttpError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise HttpError(400, f"logit_bias[{key}] must be a number", "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def sampling_input(body: dict, chat: bool) -> GenerateInput:
+    """The fields both endpoints share (OpenAI's and vLLM's extensions), as the core's input."""
+    number = (int, float)
+    max_tokens = _get(body, "max_completion_tokens", (int,)) if chat else None
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", (int,))
+    if chat:
+        logprobs = _get(body, "top_logprobs", (int,), 0) if _get(body, "logprobs", (bool,), False) else None
+    else:
+        logprobs = _get(body, "logprobs", (int,))
+    temperature = _get(body, "temperature", number)
+    return GenerateInput(
+        temperature=float(temperature) if temperature is not None else None,
+        top_p=_float(body, "top_p"), top_k=_get(body, "top_k", (int,)), min_p=_float(body, "min_p"),
+        repetition_penalty=_float(body, "repetition_penalty"), presence_penalty=_float(body, "presence_penalty"),
+        frequency_penalty=_float(body, "frequency_penalty"), logit_bias=_logit_bias(body),
+        seed=_get(body, "seed", (int,)), logprobs=logprobs, max_tokens=max_tokens,
+        min_tokens=_get(body, "min_tokens", (int,), 0), stop=_stop_strings(body),
+        stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
+    )
+
+
+def _float(body: dict, name: str) -> float | None:
+    value = _get(body, name, (int, float))
+    return float(value) if value is not None else None
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = _get(body, "messages", (list,))
+    if not messages:
+        raise HttpError(400, "messages must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise HttpError(400, f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones, joined
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise HttpError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise HttpError(400, f"messages[{i}].content must be a string or an array of text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompts(body: dict) -> list[str]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        raise HttpError(400, "prompt: token-id prompts are not supported yet; send text", "prompt")
+    raise HttpError(400, "prompt must be a string or a non-empty array of strings", "prompt")
+
+
+# ---------------------------------------------------------------- the app
+
+
+class OpenAIApi:
+    def __init__(self, frontend: Frontend, io: Blocking, metrics: Metrics, model_name: str,
+                 auth: grpc_util.AioAuthInterceptor, request_timeout: float = 0.0):
+        self.frontend = frontend
+        self.io = io
+        self.metrics = metrics
+        self.model = model_name
+        self.auth = auth
+        self.request_timeout = request_timeout
+        self.created = int(time.time())
+        self.serving = True  # follows the scheduler's health (``/health``)
+        for route in ROUTES:  # every series from the start: a dashboard shows 0, not "no data"
+            metrics.http_requests.labels(route=route, status="200")
+            metrics.http_request_seconds.labels(route=route)
+
+    def app(self) -> Starlette:
+        routes = [Route("/health", self.health, methods=["GET"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model_info, methods=["GET"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+
+        async def not_found(request: Request, exc) -> Response:
+            status = getattr(exc, "status_code", 404)
+            return error_response(status, f"{request.method} {request.url.path}: no such route" if status == 404
+                                  else str(getattr(exc, "detail", "")) or "bad request")
+
+        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+    # ------------------------------------------------------------ plumbing
+
+    def _owner(self, request: Request) -> str:
+        return self.auth.identify(request.headers.items())
+
+    def _observe(self, route: str, status: int, started: float) -> None:
+        self.metrics.http_requests.labels(route=route, status=str(status)).inc()
+        self.metrics.http_request_seconds.labels(route=route).observe(time.perf_counter() - started)
+
+    async def _body(self, request: Request) -> dict:
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise HttpError(400, "the body must be JSON (Content-Type: application/json)")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise HttpError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise HttpError(400, f"the body is not valid JSON in UTF-8: {exc}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise HttpError(404, f"model {model!r} does not exist; this server serves {self.model!r}", "model",
+                            "model_not_found")
+        return body
+
+    async def _handle(self, route: str, request: Request, work) -> Response:
+        started = time.perf_counter()
+        try:
+            owner = self._owner(request)
+            response = await work(request, owner)
+            status = response.status_code
+        except HttpError as exc:
+            status, response = exc.status, error_response(exc.status, str(exc), exc.param, exc.code)
+        except ConveyorError as exc:
+            err = _from_conveyor(exc)
+            if err.status in (400, 429, 409, 503):
+                self.metrics.requests_rejected.labels(reason=exc.code.lower()).inc()
+            status, response = err.status, error_response(err.status, str(err), err.param, err.code)
+        self._observe(route, status, started)
+        return response
+
+    # ------------------------------------------------------------ routes
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.serving else 503)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "conveyor"}
+
+    async def models(self, request: Request) -> Response:
+        async def work(request, owner):
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return await self._handle("/v1/models", request, work)
+
+    async def model_info(self, request: Request) -> Response:
+        async def work(request, owner):
+            if request.path_params["model"] != self.model:
+                raise NotFound(f"model {request.path_params['model']!r} does not exist")
+            return JSONResponse(self._model_card())
+        return await self._handle("/v1/models/{model}", request, work)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle("/v1/completions", request, lambda r, o: self._generate(r, o, chat=False))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle("/v1/chat/completions", request, lambda r, o: self._generate(r, o, chat=True))
+
+    async def _generate(self, request: Request, owner: str, chat: bool) -> Response:
+        body = await self._body(request)
+        n = _get(body, "n", (int,), 1)
+        if not 1 <= n <= MAX_N:
+            raise HttpError(400, f"n must be in [1, {MAX_N}], got {n}", "n")
+        stream = _get(body, "stream", (bool,), False)
+        include_usage = stream and bool(_get(_get(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
+        inputs = []
+        for prompt in ([None] if chat else _prompts(body)):
+            for i in range(n):
+                inp = sampling_input(body, chat)
+                if chat:
+                    inp.messages = _messages(body)
+                else:
+                    inp.prompt = prompt
+                if inp.seed is not None:
+                    inp.seed += i  # n seeded choices differ from each other and reproduce
+                inputs.append(inp)
+        if len(inputs) > MAX_N:
+            raise HttpError(400, f"prompts x n must be at most {MAX_N}, got {len(inputs)}", "n")
+        self.auth.open_stream(owner)  # the per-key stream limit counts HTTP requests as it counts gRPC streams
+        opened: list[ClientStream] = []
+        try:
+            for inp in inputs:
+                opened.append(await self.io.open(self.frontend.open, inp, owner))
+            reply = Reply(self, opened, chat, include_usage)
+            if stream:
+                return StreamingResponse(reply.events(owner), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+        except BaseException:
+            for s in opened:
+                self.io.close(s)
+            self.auth.close_stream(owner)
+            raise
+        try:
+            return JSONResponse(await reply.whole(request))
+        finally:
+            self.auth.close_stream(owner)
+
+
+class Reply:
+    """One response: its choices (one stream each, index order), as SSE events or as one JSON body."""
+
+    def __init__(self, api: OpenAIApi, streams: list[ClientStream], chat: bool, include_usage: bool):
+        self.api = api
+        self.streams = streams
+        self.chat = chat
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.prompt_tokens = sum(s.prompt_tokens for s in streams)
+
+    def _deltas(self, index: int) -> AsyncIterator[ClientDelta]:
+        api = self.api
+        return follow(self.streams[index], api.io, RequestTimer(api.metrics), api.metrics, api.request_timeout)
+
+    def _choice(self, index: int, text: str, finish: str | None, first: bool) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def _usage(self, completion: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        body = {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
+                "model": self.api.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    async def events(self, owner: str) -> AsyncIterator[bytes]:
+        """SSE: the choices' deltas as they come (interleaved), each choice's role first (chat), exactly one
+        finish_reason per choice, the usage chunk when asked, then ``[DONE]``. A client that disconnects
+        cancels this generator, which closes every stream (their requests are aborted)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        completion = [0] * len(self.streams)
+
+        async def pump(index: int) -> None:
+            try:
+                async for delta in self._deltas(index):
+                    await queue.put((index, delta))
+                await queue.put((index, None))
+            except ConveyorError as exc:
+                await queue.put((index, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
+        try:
+            first = [True] * len(self.streams)
+            done = 0
+            while done < len(self.streams):
+                index, item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, ConveyorError):
+                    err = _from_conveyor(item)
+                    yield b"data: " + json.dumps({"error": {"message": str(err), "type": ERROR_TYPE.get(
+                        err.status, "server_error"), "param": None, "code": err.code}}).encode() + b"\n\n"
+                    done += 1
+                    continue
+                completion[index] += len(item.token_ids)
+                finish = FINISH.get(item.finish_reason) if item.finish_reason else None
+                if item.text or finish or first[index]:
+                    yield self._chunk([self._choice(index, item.text, finish, first[index])])
+                    first[index] = False
+            if self.include_usage:
+                yield self._chunk([], self._usage(sum(completion)))
+            yield b"data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.api.auth.close_stream(owner)
+
+    async def whole(self, request: Request) -> dict:
+        """The full response; a client that disconnects meanwhile aborts every choice."""
+        texts, finishes, completion = [""] * len(self.streams), [None] * len(self.streams), 0
+
+        async def collect(index: int) -> int:
+            count = 0
+            async for delta in self._deltas(index):
+                texts[index] += delta.text
+                count += len(delta.token_ids)
+                if delta.finish_reason:
+                    finishes[index] = FINISH.get(delta.finish_reason)
+            return count
+
+        tasks = [asyncio.create_task(collect(i)) for i in range(len(self.streams))]
+        watch = asyncio.create_task(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait([watch, asyncio.gather(*tasks)], return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:
+                raise HttpError(499, "the client closed the connection")
+            completion = sum(t.result() for t in tasks)
+        finally:
+            watch.cancel()
+            for task in tasks:
+                task.cancel()
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                        "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
+        else:
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                       for i, (t, f) in enumerate(zip(texts, finishes))]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.api.model,
+                "choices": choices, "usage": self._usage(completion)}
+
+
+async def _disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+

@@ -1,0 +1,132 @@
+"""Following a client stream on the event loop, for every public API of the frontend (gRPC and HTTP).
+
+``follow`` yields a request's deltas as the detokenizer delivers them, without a thread per stream:
+Deliver (on the same loop) or a replay (on the pool) wakes the stream's coroutine. What blocks (Redis,
+the scheduler's Submit and Abort) runs on ``Blocking``'s small thread pool, off the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from conveyor.errors import ConveyorError, DeadlineExceeded
+from conveyor.metrics import Metrics
+from tokenizer_svc.frontend import ClientDelta, ClientStream, Frontend
+
+POLL_SECONDS = 0.25  # how often a waiting stream checks that it is not behind Redis
+
+
+class Blocking:
+    """The frontend's blocking calls, run on a thread pool so the event loop never waits for them."""
+
+    def __init__(self, frontend: Frontend, threads: int = 16):
+        self.frontend = frontend
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="frontend-io")
+
+    async def run(self, call, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(call, *args))
+
+    async def open(self, call, *args) -> ClientStream:
+        """A stream opened by ``call`` on the pool. If the caller goes away meanwhile, the stream is closed
+        (its request aborted) once it is open: the pool's work cannot be cancelled midway."""
+        opening = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(call, *args))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            def close(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.close(done.result())
+            opening.add_done_callback(close)
+            raise
+
+    def close(self, stream: ClientStream) -> None:
+        """The client's call ended: unregister its stream (aborting the request if it did not finish)."""
+        self.pool.submit(self.frontend.close, stream.request_id, stream)
+
+
+class RequestTimer:
+    """The client-side latencies of one request, recorded into the frontend's metrics."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.arrival = time.perf_counter()
+        self.first: float | None = None
+        self.last = self.arrival
+        self.tokens = 0
+
+    def sent(self, delta: ClientDelta) -> None:
+        now, k = time.perf_counter(), len(delta.token_ids)
+        if k:
+            if self.first is None:  # the first token's latency is the TTFT; any others came with it
+                self.first = now
+                self.m.time_to_first_token_seconds.observe(now - self.arrival)
+                count, gap = k - 1, 0.0
+            else:
+                count, gap = k, now - self.last
+            for _ in range(count):
+                self.m.inter_token_latency_seconds.observe(gap / count)
+            self.m.generation_tokens.inc(k)
+            self.tokens += len(delta.token_ids)
+            self.last = now
+        if delta.finish_reason is not None:
+            self.finished(delta.finish_reason, delta.prompt_tokens)
+
+    def finished(self, reason: str, prompt_tokens: int) -> None:
+        e2e = time.perf_counter() - self.arrival
+        self.m.e2e_request_latency_seconds.observe(e2e)
+        self.m.requests.labels(finish_reason=reason).inc()
+        self.m.prompt_tokens.inc(prompt_tokens)
+        self.m.request_prompt_tokens.observe(prompt_tokens)
+        self.m.request_generation_tokens.observe(self.tokens)
+        if self.first is not None and self.tokens > 1:
+            self.m.time_per_output_token_seconds.observe((e2e - (self.first - self.arrival)) / (self.tokens - 1))
+
+
+async def follow(stream: ClientStream, io: Blocking, timer: RequestTimer, metrics: Metrics,
+                 timeout: float = 0.0) -> AsyncIterator[ClientDelta]:
+    """A stream's deltas until it finishes. The caller stops iterating (or is cancelled) when its client
+    goes away: ``finally`` then closes the stream, which aborts the request. Raises ``DeadlineExceeded``
+    after ``timeout`` seconds (0: none), and ``ConveyorError`` with the reason when the request failed."""
+    loop, here = asyncio.get_running_loop(), threading.get_ident()
+    ready = asyncio.Event()
+    # deltas come from Deliver (this loop) or from a replay on the pool (another thread)
+    stream.wake = lambda: ready.set() if threading.get_ident() == here else loop.call_soon_threadsafe(ready.set)
+    metrics.client_streams.inc()
+    deadline = time.monotonic() + timeout if timeout else None
+    ended = False
+    try:
+        while True:
+            if deadline is not None and time.monotonic() > deadline:
+                ended = True
+                timer.finished("abort", stream.prompt_tokens)
+                raise DeadlineExceeded(f"the request ran longer than {timeout:g} s (--request-timeout)")
+            ready.clear()
+            delta = stream.take()
+            if delta is None:
+                try:
+                    async with asyncio.timeout(POLL_SECONDS):
+                        await ready.wait()
+                except TimeoutError:
+                    await io.run(io.frontend.keep_up, stream)
+                continue
+            if delta.finish_reason == "error":  # the request could not be computed: say why
+                ended = True
+                timer.finished("error", stream.prompt_tokens)
+                why = await io.run(io.frontend.failure, stream)
+                raise ConveyorError(f"request_id {stream.client_id!r} failed: {why}")
+            yield delta
+            timer.sent(delta)
+            if delta.finish_reason is not None:
+                ended = True
+                return
+    finally:
+        if not ended:  # cancelled, disconnected or past the client's own deadline
+            timer.finished("abort", stream.prompt_tokens)
+        stream.wake = lambda: None
+        metrics.client_streams.dec()
+        io.close(stream)
