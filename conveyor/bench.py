@@ -44,7 +44,7 @@ class BenchConfig:
     backend: str = setting("conveyor", "conveyor: the gRPC API through the SDK; openai: POST /v1/completions with "
                                        "stream=true (llama-server, vLLM, ...)", choices=("conveyor", "openai"))
     model: str = setting("default", "--backend openai: the model whose tokenizer makes the exact-length prompts "
-                                    "(a --model value); its file name is sent as the model")
+                                    "(a --model value); the server's own model id (from /v1/models) is sent as the model")
     api_key: str = setting("", "API key of the server (prefer the environment variable)", secret=True)
     ca_cert: str = setting("", "PEM CA that signed the server's certificate (TLS)")
     concurrency: list[int] = setting(None, "fixed-concurrency levels to sweep (default: 1 8 32 unless --rate)", nargs="+")
@@ -110,8 +110,10 @@ class ConveyorBackend:
 
 class OpenAIBackend:
     """POST ``/v1/completions`` with ``stream: true`` (server-sent events), greedy, ``ignore_eos``, prompt
-    cache off where the server has one (llama-server's ``cache_prompt``). Each event is one token, as
-    llama-server and vLLM stream them. Plain HTTP with the standard library: one connection a request."""
+    cache off where the server has one (llama-server's ``cache_prompt``), ``model`` the id the server
+    lists. Each event counts as one token, as llama-server and vLLM mostly stream them; the usage chunk
+    at the end adds any tokens an event carried more. Plain HTTP with the standard library: one
+    connection a request."""
 
     def __init__(self, cfg: BenchConfig):
         from conveyor.model_files import resolve_model
@@ -121,22 +123,43 @@ class OpenAIBackend:
         url = urlsplit(cfg.target if "://" in cfg.target else f"http://{cfg.target}")
         self.host, self.port, self.scheme = url.hostname, url.port, url.scheme
         self.tokenizer = load_tokenizer(cfg.model)
-        self.model = resolve_model(cfg.model).path.name
+        self.model = self._served_model() or resolve_model(cfg.model).path.name
         self.description = f"{self.model} at {cfg.target} (OpenAI completions API)"
+
+    def _connection(self) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        return kind(self.host, self.port, timeout=self.cfg.timeout)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.cfg.api_key:
+            headers["Authorization"] = f"Bearer {self.cfg.api_key}"
+        return headers
+
+    def _served_model(self) -> str | None:
+        """The id the server lists first on ``/v1/models`` (servers that check ``model`` want theirs)."""
+        conn = self._connection()
+        try:
+            conn.request("GET", "/v1/models", headers=self._headers())
+            response = conn.getresponse()
+            models = json.loads(response.read()) if response.status == 200 else {}
+            return (models.get("data") or [{}])[0].get("id")
+        except (OSError, http.client.HTTPException, ValueError, AttributeError):
+            return None
+        finally:
+            conn.close()
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
     def stream(self, prompt: str) -> Iterator[int]:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 0.0,
-                           "stream": True, "ignore_eos": True, "cache_prompt": False})
-        headers = {"Content-Type": "application/json"}
-        if self.cfg.api_key:
-            headers["Authorization"] = f"Bearer {self.cfg.api_key}"
-        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = kind(self.host, self.port, timeout=self.cfg.timeout)
+                           "stream": True, "ignore_eos": True, "cache_prompt": False,
+                           "stream_options": {"include_usage": True}})
+        conn = self._connection()
+        seen = 0
         try:
-            conn.request("POST", "/v1/completions", body, headers)
+            conn.request("POST", "/v1/completions", body, self._headers())
             response = conn.getresponse()
             if response.status != 200:
                 raise ConveyorError(f"HTTP {response.status}: {response.read(500).decode(errors='replace')}")
@@ -149,7 +172,12 @@ class OpenAIBackend:
                     return
                 event = json.loads(data)
                 if event.get("choices"):
+                    seen += 1
                     yield 1
+                elif event.get("usage"):  # an event may carry several tokens (text held back): count them all
+                    missing = event["usage"].get("completion_tokens", seen) - seen
+                    if missing > 0:
+                        yield missing
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise ConveyorError(f"{type(exc).__name__}: {exc}") from exc
         finally:

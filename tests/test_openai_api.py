@@ -144,3 +144,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(stack, base):
                 break  # one token arrived: the request runs
     stats = drained(stack)
     assert (stats.running, stats.free_blocks) == (0, stats.num_blocks), "the request still runs"
+
+
+def test_conveyor_bench_drives_the_http_api_with_the_served_model_and_exact_counts(base, model):
+    from conveyor.bench import BenchConfig, OpenAIBackend, sweep
+
+    cfg = BenchConfig(target=base, backend="openai", api_key=KEY, concurrency=[2], num_requests=3, prompt_tokens=8,
+                      max_tokens=5, warmup=0)
+    backend = OpenAIBackend(cfg)
+    assert backend.model == model  # from /v1/models: this server checks the model it is asked for
+    [(_, results, _)] = sweep(backend, cfg)
+    assert [(r.error, r.output_tokens) for r in results] == [(None, 5)] * 3
