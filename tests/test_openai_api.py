@@ -8,6 +8,8 @@ import json
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from helpers import drained, start_stack
 
 from conveyor.client import Client
@@ -155,3 +157,46 @@ def test_conveyor_bench_drives_the_http_api_with_the_served_model_and_exact_coun
     assert backend.model == model  # from /v1/models: this server checks the model it is asked for
     [(_, results, _)] = sweep(backend, cfg)
     assert [(r.error, r.output_tokens) for r in results] == [(None, 5)] * 3
+
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+          "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "stream",
+          "stream_options", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+          "include_stop_str_in_output", "echo", "user"]
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+def _bodies():
+    good = st.fixed_dictionaries({}, optional={
+        "prompt": st.sampled_from([PROMPT, "", "x" * 3000]) | JSON_VALUES,
+        "messages": st.just(CHAT) | st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "x", 3]),
+                                                                    "content": JSON_VALUES}), max_size=3),
+    })
+    return st.tuples(good, st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(parts=_bodies(), chat=st.booleans())
+def test_random_bodies_get_a_4xx_or_a_short_answer_never_a_5xx(base, parts, chat):
+    body = {**parts[0], **parts[1]}
+    for name in ("max_tokens", "max_completion_tokens", "n"):  # keep valid requests short
+        if isinstance(body.get(name), int) and not isinstance(body[name], bool) and body[name] > 3:
+            body[name] = 3
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    raw = json.dumps(body).encode()  # NaN and Infinity too: Python's JSON reader takes them
+    r = httpx.post(base + path, content=raw, headers={"Authorization": f"Bearer {KEY}",
+                                                      "content-type": "application/json"}, timeout=120)
+    assert r.status_code in (200, 400, 404, 413), (r.status_code, r.text[:300], body)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_still_serving_after_the_fuzz(client, model):
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
