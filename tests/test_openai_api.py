@@ -93,6 +93,27 @@ def test_the_openai_client_streams_and_n_gives_n_choices(client, model):
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
 
 
+def test_tokenize_and_detokenize_round_trip_as_the_grpc_api_tokenizes(stack, base):
+    ok = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(base + "/tokenize", json={"prompt": "Hello 세계"}, headers=ok).json()
+    with Client(stack.endpoint, api_key=KEY, timeout=60) as grpc_client:
+        assert r["tokens"] == grpc_client.tokenize("Hello 세계") and r["count"] == len(r["tokens"])
+        chat = httpx.post(base + "/tokenize", json={"messages": CHAT}, headers=ok).json()
+        assert chat["tokens"] == grpc_client.tokenize(messages=CHAT)
+    assert httpx.post(base + "/detokenize", json={"tokens": r["tokens"]}, headers=ok).json()["prompt"].endswith("Hello 세계")
+    bad = httpx.post(base + "/detokenize", json={"tokens": [10**9]}, headers=ok)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, model, base):
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain
+    r = httpx.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True,
+                                                   "stream": True}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert "".join(e["choices"][0]["text"] for e in sse(r)[:-1]) == PROMPT + plain
+
+
 def test_stop_strings_are_trimmed(client, model):
     full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     stop = full.strip().split()[1]

@@ -39,7 +39,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
               409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
               503: "service_unavailable", 504: "timeout"}
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-ROUTES = ("/v1/models", "/v1/models/{model}", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/v1/models", "/v1/models/{model}", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 class HttpError(Exception):
@@ -193,7 +193,9 @@ class OpenAIApi:
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model_info, methods=["GET"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"])]
 
         async def not_found(request: Request, exc) -> Response:
             status = getattr(exc, "status_code", 404)
@@ -273,6 +275,34 @@ class OpenAIApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle("/v1/chat/completions", request, lambda r, o: self._generate(r, o, chat=True))
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the model's template, as token ids."""
+        async def work(request, owner):
+            body = await self._body(request)
+            inp = GenerateInput()
+            if "messages" in body:
+                inp.messages = _messages(body)
+                inp.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
+            else:
+                inp.prompt = _get(body, "prompt", (str,))
+                if inp.prompt is None:
+                    raise HttpError(400, "prompt (a string) or messages is required", "prompt")
+            _, ids = await self.io.run(self.frontend.render, inp)
+            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.frontend.limits.max_model_len})
+        return await self._handle("/tokenize", request, work)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: token ids back to text."""
+        async def work(request, owner):
+            body = await self._body(request)
+            tokens = _int_list(body, "tokens")
+            vocab = self.frontend.limits.vocab_size
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise HttpError(400, f"tokens: id {bad[0]} is not below the vocabulary size {vocab}", "tokens")
+            return JSONResponse({"prompt": await self.io.run(self.frontend.tokenizer.decode, tokens)})
+        return await self._handle("/detokenize", request, work)
+
     async def _generate(self, request: Request, owner: str, chat: bool) -> Response:
         body = await self._body(request)
         n = _get(body, "n", (int,), 1)
@@ -280,7 +310,8 @@ class OpenAIApi:
             raise HttpError(400, f"n must be in [1, {MAX_N}], got {n}", "n")
         stream = _get(body, "stream", (bool,), False)
         include_usage = stream and bool(_get(_get(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
-        inputs = []
+        echo = not chat and _get(body, "echo", (bool,), False)
+        inputs, echoed = [], []
         for prompt in ([None] if chat else _prompts(body)):
             for i in range(n):
                 inp = sampling_input(body, chat)
@@ -291,6 +322,7 @@ class OpenAIApi:
                 if inp.seed is not None:
                     inp.seed += i  # n seeded choices differ from each other and reproduce
                 inputs.append(inp)
+                echoed.append(prompt if echo else "")
         if len(inputs) > MAX_N:
             raise HttpError(400, f"prompts x n must be at most {MAX_N}, got {len(inputs)}", "n")
         self.auth.open_stream(owner)  # the per-key stream limit counts HTTP requests as it counts gRPC streams
@@ -298,7 +330,7 @@ class OpenAIApi:
         try:
             for inp in inputs:
                 opened.append(await self.io.open(self.frontend.open, inp, owner))
-            reply = Reply(self, opened, chat, include_usage)
+            reply = Reply(self, opened, chat, include_usage, echoed)
             if stream:
                 return StreamingResponse(reply.events(owner), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
@@ -316,9 +348,11 @@ class OpenAIApi:
 class Reply:
     """One response: its choices (one stream each, index order), as SSE events or as one JSON body."""
 
-    def __init__(self, api: OpenAIApi, streams: list[ClientStream], chat: bool, include_usage: bool):
+    def __init__(self, api: OpenAIApi, streams: list[ClientStream], chat: bool, include_usage: bool,
+                 echoed: list[str]):
         self.api = api
         self.streams = streams
+        self.echoed = echoed  # per choice: the prompt its text starts with (``echo``), or ""
         self.chat = chat
         self.include_usage = include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -380,7 +414,8 @@ class Reply:
                 completion[index] += len(item.token_ids)
                 finish = FINISH.get(item.finish_reason) if item.finish_reason else None
                 if item.text or finish or first[index]:
-                    yield self._chunk([self._choice(index, item.text, finish, first[index])])
+                    text = self.echoed[index] + item.text if first[index] else item.text
+                    yield self._chunk([self._choice(index, text, finish, first[index])])
                     first[index] = False
             if self.include_usage:
                 yield self._chunk([], self._usage(sum(completion)))
@@ -392,7 +427,7 @@ class Reply:
 
     async def whole(self, request: Request) -> dict:
         """The full response; a client that disconnects meanwhile aborts every choice."""
-        texts, finishes, completion = [""] * len(self.streams), [None] * len(self.streams), 0
+        texts, finishes, completion = list(self.echoed), [None] * len(self.streams), 0
 
         async def collect(index: int) -> int:
             count = 0
