@@ -26,6 +26,7 @@ class Spec:
     process: str  # frontend | scheduler | worker | detokenizer | every
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
+    known: tuple[str, ...] = ()  # values of the one label, exported (at 0) from the start: panels show 0, not "no data"
 
 
 SPECS = [
@@ -45,10 +46,11 @@ SPECS = [
          buckets=TOKEN_BUCKETS),
     Spec("conveyor_prompt_tokens_total", Counter, "Prompt tokens of finished requests.", "frontend"),
     Spec("conveyor_generation_tokens_total", Counter, "Output tokens sent to clients.", "frontend"),
-    Spec("conveyor_requests_total", Counter, "Finished requests by finish reason (stop, length, abort).", "frontend",
-         ("finish_reason",)),
+    Spec("conveyor_requests_total", Counter, "Finished requests by finish reason (stop, length, abort, error).",
+         "frontend", ("finish_reason",), known=("stop", "length", "abort", "error")),
     Spec("conveyor_requests_rejected_total", Counter, "Requests refused before they ran, by reason "
-         "(invalid_argument, resource_exhausted, already_exists, unavailable).", "frontend", ("reason",)),
+         "(invalid_argument, resource_exhausted, already_exists, unavailable).", "frontend", ("reason",),
+         known=("invalid_argument", "resource_exhausted", "already_exists", "unavailable")),
     Spec("conveyor_client_streams", Gauge, "Client streams open on this frontend.", "frontend"),
     Spec("conveyor_resumed_streams_total", Counter, "Client streams resumed by request id (Resume).", "frontend"),
     Spec("conveyor_stalled_streams_total", Counter, "Client streams found behind Redis and replayed (a delivery "
@@ -116,7 +118,9 @@ class Metrics:
                 continue
             kwargs = {"buckets": spec.buckets} if spec.buckets else {}
             name = spec.name.removesuffix("_total") if spec.kind is Counter else spec.name
-            self._metrics[spec.name] = spec.kind(name, spec.help, spec.labels, registry=self.registry, **kwargs)
+            self._metrics[spec.name] = metric = spec.kind(name, spec.help, spec.labels, registry=self.registry, **kwargs)
+            for value in spec.known:
+                metric.labels(value)
 
     def get(self, name: str):
         return self._metrics[name]

@@ -111,6 +111,18 @@ def test_metric_values_agree_with_what_the_client_saw(stack, traffic):
     assert value(dt, "conveyor_stop_string_matches_total") <= stopped
 
 
+def test_labelled_counters_dashboards_query_start_at_zero_for_every_known_label():
+    from prometheus_client import generate_latest
+
+    from conveyor.metrics import Metrics
+
+    text = generate_latest(Metrics("frontend").registry).decode()
+    for spec in metric_specs.SPECS:
+        for value in spec.known:
+            assert f'{spec.name}{{{spec.labels[0]}="{value}"}} 0.0' in text, (spec.name, value)
+    assert any(spec.known for spec in metric_specs.SPECS)
+
+
 def test_metrics_table_in_docs_is_current():
     assert (ROOT / "docs" / "metrics.md").read_text() == metric_specs.markdown_table()
 
