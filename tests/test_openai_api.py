@@ -114,6 +114,18 @@ def test_echo_puts_the_prompt_before_the_completion(client, model, base):
     assert "".join(e["choices"][0]["text"] for e in sse(r)[:-1]) == PROMPT + plain
 
 
+def test_token_id_prompts_and_lists_of_prompts(stack, client, model):
+    with Client(stack.endpoint, api_key=KEY, timeout=60) as grpc_client:
+        ids = grpc_client.tokenize(PROMPT)
+    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+    both = client.completions.create(model=model, prompt=[ids, "Once upon a time"], max_tokens=5, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1] and both.choices[0].text == by_text.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+        client.completions.create(model=model, prompt=[10**9], max_tokens=5)
+
+
 def test_stop_strings_are_trimmed(client, model):
     full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     stop = full.strip().split()[1]

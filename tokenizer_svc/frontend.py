@@ -129,6 +129,8 @@ class Frontend:
                 raise InvalidArgument("chat: this model has no chat template; send a prompt instead")
             text = self.tokenizer.apply_chat_template(inp.messages, inp.add_generation_prompt)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
+        if inp.prompt_ids is not None:
+            return self.tokenizer.decode(inp.prompt_ids), list(inp.prompt_ids)
         return inp.prompt, self.tokenizer.encode(inp.prompt)
 
     def open(self, inp: GenerateInput, owner: str = "", submit_timeout: float = 60.0) -> ClientStream:

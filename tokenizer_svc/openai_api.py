@@ -159,15 +159,18 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompts(body: dict) -> list[str]:
+def _ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, token ids, or a list of either (one choice set per prompt)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or _ids(prompt):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        raise HttpError(400, "prompt: token-id prompts are not supported yet; send text", "prompt")
-    raise HttpError(400, "prompt must be a string or a non-empty array of strings", "prompt")
+    raise HttpError(400, "prompt must be a string, an array of token ids, or a non-empty array of either", "prompt")
 
 
 # ---------------------------------------------------------------- the app
@@ -311,18 +314,19 @@ class OpenAIApi:
         stream = _get(body, "stream", (bool,), False)
         include_usage = stream and bool(_get(_get(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
         echo = not chat and _get(body, "echo", (bool,), False)
-        inputs, echoed = [], []
+        inputs = []
         for prompt in ([None] if chat else _prompts(body)):
             for i in range(n):
                 inp = sampling_input(body, chat)
                 if chat:
                     inp.messages = _messages(body)
-                else:
+                elif isinstance(prompt, str):
                     inp.prompt = prompt
+                else:
+                    inp.prompt_ids = prompt
                 if inp.seed is not None:
                     inp.seed += i  # n seeded choices differ from each other and reproduce
                 inputs.append(inp)
-                echoed.append(prompt if echo else "")
         if len(inputs) > MAX_N:
             raise HttpError(400, f"prompts x n must be at most {MAX_N}, got {len(inputs)}", "n")
         self.auth.open_stream(owner)  # the per-key stream limit counts HTTP requests as it counts gRPC streams
@@ -330,6 +334,9 @@ class OpenAIApi:
         try:
             for inp in inputs:
                 opened.append(await self.io.open(self.frontend.open, inp, owner))
+            # each choice's text starts with its prompt (token ids: their text)
+            echoed = [(i.prompt if i.prompt is not None else self.frontend.tokenizer.decode(i.prompt_ids)) if echo
+                      else "" for i in inputs]
             reply = Reply(self, opened, chat, include_usage, echoed)
             if stream:
                 return StreamingResponse(reply.events(owner), media_type="text/event-stream",

@@ -21,6 +21,7 @@ class GenerateInput:
     """A generate request as the client sent it; ``None`` means "not set, use the default"."""
 
     prompt: str | None = None
+    prompt_ids: list[int] | None = None  # a prompt already tokenized (the HTTP API's token-id prompts)
     messages: list[dict] | None = None  # [{"role": ..., "content": ...}]
     add_generation_prompt: bool = True
     request_id: str = ""
@@ -66,7 +67,12 @@ def _finite(value: float | None, name: str) -> None:
 
 def check_input(inp: GenerateInput, limits: Limits) -> None:
     """The request's own fields (before tokenizing)."""
-    _check((inp.prompt is None) != (inp.messages is None), "input", "must be exactly one of prompt or chat")
+    given = sum(x is not None for x in (inp.prompt, inp.messages, inp.prompt_ids))
+    _check(given == 1, "input", "must be exactly one of prompt or chat")
+    if inp.prompt_ids is not None:
+        _check(len(inp.prompt_ids) > 0, "prompt", "must not be empty")
+        bad = [t for t in inp.prompt_ids if not 0 <= t < limits.vocab_size]
+        _check(not bad, "prompt", f"token id {bad[0] if bad else 0} is not below the vocabulary size {limits.vocab_size}")
     if inp.prompt is not None:
         _check(inp.prompt != "", "prompt", "must not be empty")
         _check(len(inp.prompt) <= limits.max_prompt_chars, "prompt",
