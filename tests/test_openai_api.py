@@ -233,3 +233,17 @@ def test_random_bodies_get_a_4xx_or_a_short_answer_never_a_5xx(base, parts, chat
 def test_still_serving_after_the_fuzz(client, model):
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
+
+
+def test_logprobs_in_each_endpoints_shape_match_the_grpc_apis(stack, client, model):
+    with Client(stack.endpoint, api_key=KEY, timeout=60) as grpc_client:
+        expected = grpc_client.generate(PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    want = [(lp.token_id, lp.logprob) for lp in expected.logprobs]
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2).choices[0]
+    assert r.logprobs.token_logprobs == pytest.approx([lp for _, lp in want], abs=1e-6)
+    assert "".join(r.logprobs.tokens) == r.text and r.logprobs.text_offset[0] == 0
+    assert all(len(top) == 2 for top in r.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=3).choices[0]
+    assert len(chat.logprobs.content) == 3 and all(len(c.top_logprobs) == 3 for c in chat.logprobs.content)
+    assert "".join(c.token for c in chat.logprobs.content) == chat.message.content

@@ -14,6 +14,7 @@ ignored, as OpenAI ignores them; a known field of the wrong type is a 400.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -337,7 +338,7 @@ class OpenAIApi:
             # each choice's text starts with its prompt (token ids: their text)
             echoed = [(i.prompt if i.prompt is not None else self.frontend.tokenizer.decode(i.prompt_ids)) if echo
                       else "" for i in inputs]
-            reply = Reply(self, opened, chat, include_usage, echoed)
+            reply = Reply(self, opened, chat, include_usage, echoed, inputs[0].logprobs is not None)
             if stream:
                 return StreamingResponse(reply.events(owner), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
@@ -356,9 +357,10 @@ class Reply:
     """One response: its choices (one stream each, index order), as SSE events or as one JSON body."""
 
     def __init__(self, api: OpenAIApi, streams: list[ClientStream], chat: bool, include_usage: bool,
-                 echoed: list[str]):
+                 echoed: list[str], logprobs: bool):
         self.api = api
         self.streams = streams
+        self.logprobs = logprobs  # the request asked for them
         self.echoed = echoed  # per choice: the prompt its text starts with (``echo``), or ""
         self.chat = chat
         self.include_usage = include_usage
@@ -371,11 +373,29 @@ class Reply:
         api = self.api
         return follow(self.streams[index], api.io, RequestTimer(api.metrics), api.metrics, api.request_timeout)
 
-    def _choice(self, index: int, text: str, finish: str | None, first: bool) -> dict:
+    def _choice(self, index: int, text: str, finish: str | None, first: bool, logprobs: dict | None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _logprobs(self, delta: ClientDelta, offset: int) -> dict | None:
+        """A delta's tokens' log-probabilities in the endpoint's shape (None when not asked). ``offset``: where
+        the delta's text starts in the choice's text (completions' ``text_offset``)."""
+        if not self.logprobs:
+            return None
+        text = functools.partial(_token_text, self.api.frontend.tokenizer)
+        if self.chat:
+            return {"content": [{"token": text(lp.token_id), "logprob": lp.logprob,
+                                 "bytes": list(text(lp.token_id).encode()),
+                                 "top_logprobs": [{"token": text(a.token_id), "logprob": a.logprob,
+                                                   "bytes": list(text(a.token_id).encode())} for a in lp.top]}
+                                for lp in delta.logprobs]}
+        tokens = [text(lp.token_id) for lp in delta.logprobs]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in delta.logprobs],
+                "top_logprobs": [{text(a.token_id): a.logprob for a in lp.top} for lp in delta.logprobs],
+                "text_offset": offsets}
 
     def _usage(self, completion: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
@@ -406,6 +426,7 @@ class Reply:
         tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
         try:
             first = [True] * len(self.streams)
+            written = [0] * len(self.streams)  # characters of each choice's text sent
             done = 0
             while done < len(self.streams):
                 index, item = await queue.get()
@@ -420,9 +441,11 @@ class Reply:
                     continue
                 completion[index] += len(item.token_ids)
                 finish = FINISH.get(item.finish_reason) if item.finish_reason else None
-                if item.text or finish or first[index]:
+                if item.text or finish or first[index] or item.token_ids:
                     text = self.echoed[index] + item.text if first[index] else item.text
-                    yield self._chunk([self._choice(index, text, finish, first[index])])
+                    logprobs = self._logprobs(item, written[index] + len(text) - len(item.text))
+                    yield self._chunk([self._choice(index, text, finish, first[index], logprobs)])
+                    written[index] += len(text)
                     first[index] = False
             if self.include_usage:
                 yield self._chunk([], self._usage(sum(completion)))
@@ -435,10 +458,15 @@ class Reply:
     async def whole(self, request: Request) -> dict:
         """The full response; a client that disconnects meanwhile aborts every choice."""
         texts, finishes, completion = list(self.echoed), [None] * len(self.streams), 0
+        logprobs: list[dict | None] = [None] * len(self.streams)
 
         async def collect(index: int) -> int:
             count = 0
             async for delta in self._deltas(index):
+                more = self._logprobs(delta, len(texts[index]))
+                if more is not None:
+                    logprobs[index] = more if logprobs[index] is None else {
+                        key: logprobs[index][key] + value for key, value in more.items()}
                 texts[index] += delta.text
                 count += len(delta.token_ids)
                 if delta.finish_reason:
@@ -457,13 +485,17 @@ class Reply:
             for task in tasks:
                 task.cancel()
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                       for i, (t, f) in enumerate(zip(texts, finishes))]
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                       for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.api.model,
                 "choices": choices, "usage": self._usage(completion)}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
 
 
 async def _disconnected(request: Request) -> None:
