@@ -5,6 +5,7 @@
     conveyor generate "prompt" [flags]    stream an answer from a running stack
     conveyor chat [flags]                 an interactive chat with a running stack
     conveyor bench [flags]                a serving benchmark against a running stack
+    conveyor batch IN.jsonl -o OUT.jsonl  offline jobs through the HTTP API (OpenAI Batch API lines)
 
 Every ``serve`` flag has an environment variable (``CONVEYOR_<SERVICE>_<FLAG>``); ``--help`` lists them.
 """
@@ -56,6 +57,12 @@ def _bench(args: argparse.Namespace) -> int:
     from conveyor.bench import BenchConfig, run
 
     return run(from_args(BenchConfig, args))
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from conveyor.batch import BatchConfig, run
+
+    return run(from_args(BatchConfig, args), args.input, args.output)
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -151,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="a serving benchmark against a running stack (sweeps, JSON, plot)")
     add_arguments(bench, BenchConfig, BENCH_ENV)
     bench.set_defaults(run=_bench)
+    from conveyor.batch import ENV_PREFIX as BATCH_ENV, BatchConfig
+
+    batch = commands.add_parser("batch", help="offline jobs: OpenAI Batch API lines in, one result line each out "
+                                "(resumable)")
+    batch.add_argument("input", help="the JSONL file of requests")
+    batch.add_argument("-o", "--output", required=True, help="the JSONL file of results (run again to resume)")
+    add_arguments(batch, BatchConfig, BATCH_ENV)
+    batch.set_defaults(run=_batch)
     creds = commands.add_parser("credentials", help="make internal TLS certificates and a Redis password in a "
                                 "folder, keeping what is there (the compose stack's first start runs it)")
     creds.add_argument("folder")

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import time
 
 import httpx
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import drained, start_stack
+from helpers import conveyor_command, drained, start_stack
 
 from conveyor.client import Client
 from conveyor.launcher import free_port
@@ -247,3 +250,39 @@ def test_logprobs_in_each_endpoints_shape_match_the_grpc_apis(stack, client, mod
                                           top_logprobs=3).choices[0]
     assert len(chat.logprobs.content) == 3 and all(len(c.top_logprobs) == 3 for c in chat.logprobs.content)
     assert "".join(c.token for c in chat.logprobs.content) == chat.message.content
+
+
+def test_conveyor_batch_killed_midway_and_resumed_writes_every_line_exactly_once(base, tmp_path):
+    lines = []
+    for i in range(200):
+        body = ({"messages": [{"role": "user", "content": f"Count to {i}."}]} if i % 2 else {"prompt": f"Number {i} is"})
+        lines.append(json.dumps({"custom_id": f"job-{i}", "method": "POST",
+                                 "url": "/v1/chat/completions" if i % 2 else "/v1/completions",
+                                 "body": {**body, "max_tokens": 2, "temperature": 0}}))
+    lines[10] = "not json at all"  # no custom_id: it is named after its line, line-11
+    lines[20] = json.dumps({"custom_id": "job-20", "method": "POST", "url": "/v1/embeddings", "body": {}})
+    lines[30] = json.dumps({"custom_id": "job-30", "method": "POST", "url": "/v1/completions",
+                            "body": {"prompt": "x", "temperature": -1}})
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    argv = [*conveyor_command(), "batch", str(source), "-o", str(results), "--target", base, "--concurrency", "8"]
+    env = {**os.environ, "CONVEYOR_BATCH_API_KEY": KEY}
+    first = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while (not results.exists() or results.read_text().count("\n") < 40) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.kill()  # mid-way, maybe mid-line
+    first.wait()
+    assert 40 <= results.read_text().count("\n") < 200
+    subprocess.run(argv, env=env, check=True, stderr=subprocess.DEVNULL, timeout=300)
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    ids = [r["custom_id"] for r in records]
+    expected = {f"job-{i}" for i in range(200)} - {"job-10"} | {"line-11"}
+    assert len(ids) == 200 and set(ids) == expected
+    by_id = {r["custom_id"]: r for r in records}
+    assert by_id["line-11"]["error"]["code"] == "invalid_request" and by_id["job-20"]["response"] is None
+    assert by_id["job-30"]["response"]["status_code"] == 400
+    assert by_id["job-30"]["response"]["body"]["error"]["param"] == "temperature"
+    good = [r for r in records if r["custom_id"] not in ("line-11", "job-20", "job-30")]
+    assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in good)
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 2 for r in good)
