@@ -59,6 +59,10 @@ def overview() -> dict:
                              ("rejected: {{reason}}",
                               f"sum by (reason) (rate(conveyor_requests_rejected_total[{RATE}]))")], "reqps"),
         panel("Open client streams", [("{{instance}}", "sum by (instance) (conveyor_client_streams)")]),
+        panel("HTTP API requests / s", [("{{route}} {{status}}",
+              f"sum by (route, status) (rate(conveyor_http_requests_total[{RATE}]))")], "reqps"),
+        panel("HTTP API latency (to the headers)", quantiles("conveyor_http_request_seconds", by="route",
+                                                             qs=(0.5, 0.99)), "s"),
     ])
 
 
