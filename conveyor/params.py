@@ -14,6 +14,54 @@ DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling field unset gets: the model's own generation defaults where it
+    has them, else llama.cpp's server defaults (chat-friendly: a little randomness, the long tail cut)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0
+    source: str = "Conveyor's defaults (llama.cpp's)"
+
+
+# generation_config.json keys, and the GGUF metadata keys llama.cpp writes for the same defaults
+HF_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+           "repetition_penalty": "repetition_penalty"}
+GGUF_KEYS = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
+             "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
+             "repetition_penalty": "general.sampling.penalty_repeat"}
+
+
+def sampling_defaults(model) -> SamplingDefaults:
+    """The defaults of ``--model``: its ``generation_config.json`` (a Hugging Face folder) or its GGUF
+    ``general.sampling.*`` metadata, field by field over Conveyor's own."""
+    from conveyor.model_files import resolve_model
+
+    source = resolve_model(model)
+    found: dict = {}
+    if source.kind == "hf":
+        path = source.path / "generation_config.json"
+        if path.is_file():
+            config = json.loads(path.read_text())
+            if config.get("do_sample") is False:  # the model asks for greedy decoding
+                config = {**config, "temperature": 0.0}
+            found = {name: config[key] for name, key in HF_KEYS.items() if isinstance(config.get(key), (int, float))}
+            where = str(path.name)
+    else:
+        from conveyor.gguf_file import GGUFFile
+
+        meta = GGUFFile(source.path)
+        found = {name: meta.get(key) for name, key in GGUF_KEYS.items() if meta.get(key) is not None}
+        where = "the GGUF's general.sampling metadata"
+    if not found:
+        return SamplingDefaults()
+    types = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
+    return SamplingDefaults(**{name: types[name](value) for name, value in found.items()}, source=where)
+
+
+@dataclass(frozen=True)
 class RequestParams:
     # sampling
     temperature: float = 1.0

@@ -286,3 +286,14 @@ def test_conveyor_batch_killed_midway_and_resumed_writes_every_line_exactly_once
     good = [r for r in records if r["custom_id"] not in ("line-11", "job-20", "job-30")]
     assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in good)
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 2 for r in good)
+
+
+def test_a_request_without_sampling_fields_gets_the_servers_defaults(stack, client, model):
+    from conveyor.params import SamplingDefaults
+    from conveyor.state import RequestStore
+
+    with Client(stack.endpoint, api_key=KEY, timeout=60) as grpc_client:
+        grpc_client.generate(PROMPT, max_tokens=2, request_id="no-sampling-fields")
+    params = RequestStore.from_url(stack.redis_url).find("no-sampling-fields", owner="tester").params
+    d = SamplingDefaults()  # the default model has no defaults of its own
+    assert (params.temperature, params.top_k, params.top_p, params.min_p) == (d.temperature, d.top_k, d.top_p, d.min_p)

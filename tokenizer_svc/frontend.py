@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from conveyor.errors import AlreadyExists, ConveyorError, InvalidArgument, NotFound, Unavailable
 from conveyor.messages import Delta
+from conveyor.params import SamplingDefaults
 from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore, new_request_key
 from conveyor.tokenizer import ModelTokenizer
 from tokenizer_svc.validation import GenerateInput, Limits, build_params, check_input
@@ -119,6 +120,7 @@ class Frontend:
         self.abort_at_scheduler = abort
         self.replay = replay
         self.on_stalled: Callable[[], None] = lambda: None  # counted by the server
+        self.defaults = SamplingDefaults()  # for sampling fields a request leaves unset (the model's own)
         self.streams: dict[str, ClientStream] = {}
         self.lock = threading.Lock()
 
@@ -137,7 +139,7 @@ class Frontend:
         """Check, tokenize, record in Redis, submit; returns the stream the deltas will arrive on."""
         check_input(inp, self.limits)
         _, prompt_ids = self.render(inp)
-        params = build_params(inp, len(prompt_ids), self.limits)
+        params = build_params(inp, len(prompt_ids), self.limits, self.defaults)
         request_id = new_request_key()  # the client's id is only its name (see conveyor.state)
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
                                client_id=inp.request_id)

@@ -27,6 +27,7 @@ from conveyor import grpc_util
 from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
+from conveyor.params import sampling_defaults
 from conveyor.state import RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
@@ -274,6 +275,8 @@ def serve(cfg: FrontendConfig) -> None:
     frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, scheduler.submit, scheduler.abort,
                         detokenizer.replay)
     frontend.on_stalled = metrics.stalled_streams.inc
+    frontend.defaults = sampling_defaults(cfg.model)
+    log.info("sampling defaults for unset fields: %s", frontend.defaults)
     info = conveyor_pb2.ServerInfoResponse(
         model_name=sinfo.model_name, max_model_len=sinfo.max_model_len, eos_token_ids=sinfo.eos_token_ids,
         max_stop_strings=cfg.max_stop_strings, max_waiting_requests=sinfo.max_waiting,

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from conveyor.errors import InvalidArgument
-from conveyor.params import DEFAULT_MAX_TOKENS, RequestParams
+from conveyor.params import DEFAULT_MAX_TOKENS, RequestParams, SamplingDefaults
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # a name only: Redis keys never contain it (conveyor.state)
@@ -116,8 +116,10 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
         _check(0 <= token < limits.vocab_size, "stop.stop_token_ids", f"token id {token} is not below the vocabulary size {limits.vocab_size}")
 
 
-def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits) -> RequestParams:
-    """The request's parameters with defaults filled in, after the prompt is tokenized."""
+def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
+                 defaults: SamplingDefaults = SamplingDefaults()) -> RequestParams:
+    """The request's parameters with defaults filled in (sampling: the model's, ``defaults``), after the
+    prompt is tokenized."""
     _check(num_prompt_tokens >= 1, "prompt", "gives no tokens")
     if limits.max_prompt_tokens:
         _check(num_prompt_tokens <= limits.max_prompt_tokens, "prompt",
@@ -133,8 +135,9 @@ def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits) -> 
         return default if value is None else value
 
     return RequestParams(
-        temperature=pick(inp.temperature, 1.0), top_k=pick(inp.top_k, -1), top_p=pick(inp.top_p, 1.0),
-        min_p=pick(inp.min_p, 0.0), repetition_penalty=pick(inp.repetition_penalty, 1.0),
+        temperature=pick(inp.temperature, defaults.temperature), top_k=pick(inp.top_k, defaults.top_k),
+        top_p=pick(inp.top_p, defaults.top_p), min_p=pick(inp.min_p, defaults.min_p),
+        repetition_penalty=pick(inp.repetition_penalty, defaults.repetition_penalty),
         presence_penalty=pick(inp.presence_penalty, 0.0), frequency_penalty=pick(inp.frequency_penalty, 0.0),
         logit_bias=dict(inp.logit_bias), seed=inp.seed, logprobs=inp.logprobs, max_tokens=max_tokens,
         min_tokens=inp.min_tokens, stop=tuple(inp.stop), stop_token_ids=tuple(inp.stop_token_ids),
