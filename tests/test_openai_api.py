@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -170,6 +171,9 @@ def test_keys_routes_and_bodies_are_checked(base):
                           headers={**ok, "content-type": "application/json"})
     assert bad_utf8.status_code == 400 and bad_utf8.json()["error"]["type"] == "invalid_request_error"
     assert httpx.post(base + "/v1/completions", content=b"prompt=x", headers=ok).status_code == 400
+    huge = httpx.post(base + "/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}',
+                      headers={**ok, "content-type": "application/json"}, timeout=60)
+    assert huge.status_code == 413 and "larger than" in huge.json()["error"]["message"]
     assert httpx.get(base + "/health").status_code == 200
 
 
@@ -297,3 +301,30 @@ def test_a_request_without_sampling_fields_gets_the_servers_defaults(stack, clie
     params = RequestStore.from_url(stack.redis_url).find("no-sampling-fields", owner="tester").params
     d = SamplingDefaults()  # the default model has no defaults of its own
     assert (params.temperature, params.top_k, params.top_p, params.min_p) == (d.temperature, d.top_k, d.top_p, d.min_p)
+
+
+def test_limits_deadlines_and_a_down_scheduler_get_429_504_and_503(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_FRONTEND_REQUEST_TIMEOUT", "2")  # the frontend reads it (--request-timeout)
+    (tmp_path / "keys").write_text(f"tester:{KEY}\n")
+    s = start_stack(tmp_path / "r", http_port=free_port(), kv_cache_bytes=64 << 20, max_streams_per_key=1,
+                    api_keys_file=str(tmp_path / "keys"))
+    ok = {"Authorization": f"Bearer {KEY}"}
+    long = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    try:
+        with httpx.stream("POST", s.http_endpoint + "/v1/completions", json={**long, "stream": True}, headers=ok,
+                          timeout=60) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)  # one stream open: the key's limit
+            second = httpx.post(s.http_endpoint + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                                headers=ok, timeout=60)
+            assert second.status_code == 429 and second.json()["error"]["type"] == "rate_limit_error"
+        late = httpx.post(s.http_endpoint + "/v1/completions", json=long, headers=ok, timeout=60)
+        assert late.status_code == 504 and "--request-timeout" in late.json()["error"]["message"]
+        os.kill(s.child("scheduler").process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while httpx.get(s.http_endpoint + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(s.http_endpoint + "/health").status_code == 503
+    finally:
+        s.stop()
