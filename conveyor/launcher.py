@@ -82,10 +82,19 @@ class UpConfig:
         require(bool(self.tls_cert) == bool(self.tls_key), "tls_key", "and --tls-cert go together")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and not one this process handed out before: the ports of a stack are
+    picked before its services bind them, so the kernel may offer one of them again meanwhile."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
