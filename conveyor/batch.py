@@ -85,38 +85,34 @@ class Runner:
         finally:
             conn.close()
 
-    def result(self, number: int, line: str) -> dict:
+    def result(self, custom_id: str, line: str) -> dict:
         """One output line for one input line (never raises)."""
-        custom_id = f"line-{number}"
         try:
             request = json.loads(line)
             if not isinstance(request, dict):
                 raise ValueError("a line must be a JSON object")
-            custom_id = str(request.get("custom_id") or custom_id)
             url, body = request.get("url"), request.get("body")
             if request.get("method", "POST") != "POST" or url not in URLS or not isinstance(body, dict):
                 raise ValueError(f"a request needs method POST, url one of {', '.join(URLS)} and an object body")
         except ValueError as exc:
             return {"id": _id(), "custom_id": custom_id, "response": None,
                     "error": {"code": "invalid_request", "message": str(exc)}}
-        for attempt in range(3):  # the server restarting or busy: a few tries
+        attempts = 3  # the server restarting or busy: a few tries
+        for attempt in range(1, attempts + 1):
             try:
                 status, reply = self._post(url, body)
             except (OSError, http.client.HTTPException, ValueError) as exc:
-                if attempt == 2:
+                if attempt == attempts:
                     return {"id": _id(), "custom_id": custom_id, "response": None,
                             "error": {"code": "request_failed", "message": f"{type(exc).__name__}: {exc}"}}
-                time.sleep(1.0 * (attempt + 1))
-                continue
-            if status in (429, 503) and attempt < 2:
-                time.sleep(1.0 * (attempt + 1))
-                continue
-            with self.lock:
-                self.tokens += (reply.get("usage") or {}).get("completion_tokens", 0)
-            return {"id": _id(), "custom_id": custom_id,
-                    "response": {"status_code": status, "request_id": reply.get("id", ""), "body": reply},
-                    "error": None}
-        raise AssertionError("unreachable")
+            else:
+                if status not in (429, 503) or attempt == attempts:
+                    break
+            time.sleep(1.0 * attempt)
+        with self.lock:
+            self.tokens += (reply.get("usage") or {}).get("completion_tokens", 0)
+        return {"id": _id(), "custom_id": custom_id,
+                "response": {"status_code": status, "request_id": reply.get("id", ""), "body": reply}, "error": None}
 
     def run(self) -> int:
         output = self.output
@@ -125,7 +121,8 @@ class Runner:
             lines = [(i, line) for i, line in enumerate(self.input.read_text().splitlines(), 1) if line.strip()]
         except OSError as exc:
             raise ConfigError(f"batch input: {exc}") from exc
-        todo = [(i, line) for i, line in lines if _custom_id(line, i) not in skip]
+        named = [(_custom_id(line, i), line) for i, line in lines]
+        todo = [(custom_id, line) for custom_id, line in named if custom_id not in skip]
         total, started = len(todo), time.monotonic()
         print(f"{len(lines)} requests, {len(lines) - total} already in {output}", file=sys.stderr, flush=True)
         with output.open("a") as out, ThreadPoolExecutor(self.cfg.concurrency) as pool:

@@ -8,7 +8,7 @@ detokenizer reads the stop strings. Stored as JSON in the request's Redis hash.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -53,12 +53,12 @@ def sampling_defaults(model) -> SamplingDefaults:
         from conveyor.gguf_file import GGUFFile
 
         meta = GGUFFile(source.path)
-        found = {name: meta.get(key) for name, key in GGUF_KEYS.items() if meta.get(key) is not None}
+        found = {name: value for name, key in GGUF_KEYS.items() if (value := meta.get(key)) is not None}
         where = "the GGUF's general.sampling metadata"
     if not found:
         return SamplingDefaults()
-    types = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
-    return SamplingDefaults(**{name: types[name](value) for name, value in found.items()}, source=where)
+    ours = SamplingDefaults()
+    return replace(ours, **{name: type(getattr(ours, name))(value) for name, value in found.items()}, source=where)
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class Frontend:
     def open(self, inp: GenerateInput, owner: str = "", submit_timeout: float = 60.0) -> ClientStream:
         """Check, tokenize, record in Redis, submit; returns the stream the deltas will arrive on."""
         check_input(inp, self.limits)
-        _, prompt_ids = self.render(inp)
+        prompt_ids = list(inp.prompt_ids) if inp.prompt_ids is not None else self.render(inp)[1]  # ids: no decoding
         params = build_params(inp, len(prompt_ids), self.limits, self.defaults)
         request_id = new_request_key()  # the client's id is only its name (see conveyor.state)
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,

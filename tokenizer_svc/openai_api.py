@@ -14,7 +14,8 @@ ignored, as OpenAI ignores them; a known field of the wrong type is a 400.
 from __future__ import annotations
 
 import asyncio
-import functools
+import dataclasses
+import itertools
 import json
 import time
 import uuid
@@ -49,10 +50,12 @@ class HttpError(Exception):
         self.status, self.param, self.code = status, param, code
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param,
-                      "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
 def _from_conveyor(exc: ConveyorError) -> HttpError:
@@ -315,19 +318,15 @@ class OpenAIApi:
         stream = _get(body, "stream", (bool,), False)
         include_usage = stream and bool(_get(_get(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
         echo = not chat and _get(body, "echo", (bool,), False)
+        common = sampling_input(body, chat)
+        messages = _messages(body) if chat else None
         inputs = []
         for prompt in ([None] if chat else _prompts(body)):
             for i in range(n):
-                inp = sampling_input(body, chat)
-                if chat:
-                    inp.messages = _messages(body)
-                elif isinstance(prompt, str):
-                    inp.prompt = prompt
-                else:
-                    inp.prompt_ids = prompt
-                if inp.seed is not None:
-                    inp.seed += i  # n seeded choices differ from each other and reproduce
-                inputs.append(inp)
+                inputs.append(dataclasses.replace(
+                    common, messages=messages, prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_ids=prompt if isinstance(prompt, list) else None,
+                    seed=common.seed + i if common.seed is not None else None))  # n seeded choices differ, and reproduce
         if len(inputs) > MAX_N:
             raise HttpError(400, f"prompts x n must be at most {MAX_N}, got {len(inputs)}", "n")
         self.auth.open_stream(owner)  # the per-key stream limit counts HTTP requests as it counts gRPC streams
@@ -384,18 +383,23 @@ class Reply:
         the delta's text starts in the choice's text (completions' ``text_offset``)."""
         if not self.logprobs:
             return None
-        text = functools.partial(_token_text, self.api.frontend.tokenizer)
+        tokenizer = self.api.frontend.tokenizer
+
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id])
+
         if self.chat:
-            return {"content": [{"token": text(lp.token_id), "logprob": lp.logprob,
-                                 "bytes": list(text(lp.token_id).encode()),
-                                 "top_logprobs": [{"token": text(a.token_id), "logprob": a.logprob,
-                                                   "bytes": list(text(a.token_id).encode())} for a in lp.top]}
+            def entry(token_id: int, logprob: float) -> dict:
+                token = text(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [entry(a.token_id, a.logprob) for a in lp.top]}
                                 for lp in delta.logprobs]}
         tokens = [text(lp.token_id) for lp in delta.logprobs]
-        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in delta.logprobs],
                 "top_logprobs": [{text(a.token_id): a.logprob for a in lp.top} for lp in delta.logprobs],
-                "text_offset": offsets}
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
 
     def _usage(self, completion: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
@@ -435,8 +439,7 @@ class Reply:
                     continue
                 if isinstance(item, ConveyorError):
                     err = _from_conveyor(item)
-                    yield b"data: " + json.dumps({"error": {"message": str(err), "type": ERROR_TYPE.get(
-                        err.status, "server_error"), "param": None, "code": err.code}}).encode() + b"\n\n"
+                    yield b"data: " + json.dumps(error_body(err.status, str(err), None, err.code)).encode() + b"\n\n"
                     done += 1
                     continue
                 completion[index] += len(item.token_ids)
@@ -492,10 +495,6 @@ class Reply:
                        for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.api.model,
                 "choices": choices, "usage": self._usage(completion)}
-
-
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
 
 
 async def _disconnected(request: Request) -> None:
