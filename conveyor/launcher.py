@@ -2,8 +2,10 @@
 
 Starts a private ``redis-server`` (append-only file in ``--data-dir``) unless ``--redis-url`` is
 given, then the worker, detokenizer, scheduler and frontend (``conveyor serve <service>``), waits
-until each reports SERVING on ``grpc.health.v1``, and prints the endpoint. Ctrl-C or SIGTERM stops
-everything (frontend first).
+until each reports SERVING on ``grpc.health.v1``, and prints the endpoint. With ``--engines N``, N
+workers and N schedulers (engines ``engine-0`` ... ; children ``worker``, ``scheduler``, then
+``worker-1``, ``scheduler-1`` ... on free ports) share the detokenizer and the frontend. Ctrl-C or
+SIGTERM stops everything (frontend first).
 
 Supervision: a child that exits is started again with its own command line, after a backoff that
 doubles with each recent restart (0.5 s, 1 s, 2 s, ... up to 10 s); more than ``--max-restarts``
@@ -65,6 +67,10 @@ class UpConfig:
     max_num_batched_tokens: int = setting(0, "tokens per step (0: by device)")
     max_num_seqs: int = setting(0, "running requests (0: by device)")
     max_waiting: int = setting(1024, "waiting-queue bound")
+    engines: int = setting(1, "engines (a worker and its scheduler each) behind the frontend")
+    engine_ttl: float = setting(3.0, "seconds an engine stays registered without a heartbeat before another takes "
+                                     "over its requests")
+    prefix_cache: bool = setting(True, "reuse the KV of prompt prefixes already computed (--no-prefix-cache: off)")
     finished_ttl: float = setting(600.0, "seconds finished requests stay in Redis")
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
     log_level: str = setting("INFO", "logging level of every service")
@@ -79,6 +85,7 @@ class UpConfig:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.ready_timeout > 0, "ready_timeout", "must be > 0")
         require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        require(1 <= self.engines <= 64, "engines", f"must be in [1, 64], got {self.engines}")
         require(bool(self.tls_cert) == bool(self.tls_key), "tls_key", "and --tls-cert go together")
 
 
@@ -259,41 +266,52 @@ def start(cfg: UpConfig) -> Stack:
     stack = Stack()
     try:
         stack.redis_url = cfg.redis_url or _start_redis(cfg, stack)
-        ports = {name: getattr(cfg, f"{name}_port") or free_port()
-                 for name in ("worker", "scheduler", "detokenizer", "deliver")}
-        address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-        metrics = {name: getattr(cfg, f"{name}_metrics_port") or free_port()
-                   for name in ("worker", "scheduler", "detokenizer", "frontend")}
+        ports = {name: getattr(cfg, f"{name}_port") or free_port() for name in ("detokenizer", "deliver")}
+        metrics = {name: getattr(cfg, f"{name}_metrics_port") or free_port() for name in ("detokenizer", "frontend")}
         common = ["--log-level", cfg.log_level, "--metrics-host", cfg.metrics_host]
         redis_flags = ["--redis-prefix", cfg.redis_prefix]
-        worker_flags = ["--model", cfg.model, "--port", str(ports["worker"]), "--device", cfg.device,
-                        "--numerics", cfg.numerics,
-                        "--block-size", str(cfg.block_size), *common]
-        if cfg.kv_cache_bytes is not None:
-            worker_flags += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]
-        if cfg.max_model_len is not None:
-            worker_flags += ["--max-model-len", str(cfg.max_model_len)]
+        detokenizer = f"127.0.0.1:{ports['detokenizer']}"
+        workers, schedulers = [], []
+        for i in range(cfg.engines):
+            suffix = f"-{i}" if i else ""
+            port = {n: (getattr(cfg, f"{n}_port") if i == 0 else 0) or free_port() for n in ("worker", "scheduler")}
+            mport = {n: (getattr(cfg, f"{n}_metrics_port") if i == 0 else 0) or free_port() for n in ("worker", "scheduler")}
+            worker_flags = ["--model", cfg.model, "--port", str(port["worker"]), "--device", cfg.device,
+                            "--numerics", cfg.numerics, "--block-size", str(cfg.block_size), *common,
+                            "--metrics-port", str(mport["worker"])]
+            if cfg.kv_cache_bytes is not None:
+                worker_flags += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]
+            if cfg.max_model_len is not None:
+                worker_flags += ["--max-model-len", str(cfg.max_model_len)]
+            worker = f"127.0.0.1:{port['worker']}"
+            workers.append((f"worker{suffix}", "worker", worker_flags, worker, "conveyor.v1.Worker"))
+            scheduler = f"127.0.0.1:{port['scheduler']}"
+            schedulers.append((f"scheduler{suffix}", "scheduler", [
+                "--port", str(port["scheduler"]), "--engine", f"engine-{i}", "--advertise", scheduler,
+                "--engine-ttl", str(cfg.engine_ttl), "--worker", worker, "--detokenizer", detokenizer,
+                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--max-num-seqs", str(cfg.max_num_seqs),
+                "--max-waiting", str(cfg.max_waiting), "--finished-ttl", str(cfg.finished_ttl),
+                "--prefix-cache" if cfg.prefix_cache else "--no-prefix-cache", *redis_flags, *common,
+                "--metrics-port", str(mport["scheduler"])], scheduler, "conveyor.v1.Scheduler"))
         plan = [
-            ("worker", worker_flags, address["worker"], "conveyor.v1.Worker"),
-            ("detokenizer", ["--model", cfg.model, "--port", str(ports["detokenizer"]), "--scheduler",
-                             address["scheduler"], *redis_flags, *common], address["detokenizer"], "conveyor.v1.Detokenizer"),
-            ("scheduler", ["--port", str(ports["scheduler"]), "--worker", address["worker"], "--detokenizer",
-                           address["detokenizer"], "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-                           "--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),
-                           "--finished-ttl", str(cfg.finished_ttl), *redis_flags, *common],
-             address["scheduler"], "conveyor.v1.Scheduler"),
-            ("frontend", ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
-                          "--http-port", str(cfg.http_port), "--internal-port",
-                          str(ports["deliver"]), "--scheduler", address["scheduler"], "--detokenizer",
-                          address["detokenizer"], "--max-streams-per-key", str(cfg.max_streams_per_key),
-                          *_security_flags(cfg), *redis_flags, *common],
-             address["deliver"], "conveyor.v1.Frontend"),  # its internal port: plain gRPC even with TLS on
+            *workers,
+            ("detokenizer", "detokenizer", ["--model", cfg.model, "--port", str(ports["detokenizer"]), *redis_flags,
+                                            *common, "--metrics-port", str(metrics["detokenizer"])],
+             detokenizer, "conveyor.v1.Detokenizer"),
+            *schedulers,
+            ("frontend", "frontend", ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+                                      "--http-port", str(cfg.http_port), "--internal-port", str(ports["deliver"]),
+                                      "--detokenizer", detokenizer, "--max-streams-per-key", str(cfg.max_streams_per_key),
+                                      *_security_flags(cfg), *redis_flags, *common,
+                                      "--metrics-port", str(metrics["frontend"])],
+             f"127.0.0.1:{ports['deliver']}", "conveyor.v1.Frontend"),  # its internal port: plain gRPC even with TLS on
         ]
-        for name, flags, health, service in plan:
-            argv = _serve(name, *flags, "--metrics-port", str(metrics[name]))
-            env = dict(os.environ, **{f"CONVEYOR_{name.upper()}_REDIS_URL": stack.redis_url})
-            stack.children.append(Child(name, _popen(argv, env), health, service, argv,
-                                        f"{cfg.metrics_host}:{metrics[name]}", env=env))
+        for name, service, flags, health, grpc_service in plan:
+            argv = _serve(service, *flags)
+            env = dict(os.environ, **{f"CONVEYOR_{service.upper()}_REDIS_URL": stack.redis_url})
+            metrics_port = flags[flags.index("--metrics-port") + 1]
+            stack.children.append(Child(name, _popen(argv, env), health, grpc_service, argv,
+                                        f"{cfg.metrics_host}:{metrics_port}", env=env))
         deadline = time.monotonic() + cfg.ready_timeout
         for child in stack.children:
             if child.health:

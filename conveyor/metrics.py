@@ -60,12 +60,25 @@ SPECS = [
     Spec("conveyor_http_request_seconds", Histogram, "OpenAI HTTP API: request arrival to the response's headers "
          "(a stream's first byte; the whole body for the rest), by route.", "frontend", ("route",),
          buckets=LATENCY_BUCKETS),
+    Spec("conveyor_engine_routes_total", Counter, "Requests sent to each engine, by why: prefix (it took the "
+         "longest prefix of the prompt before), balance (the least loaded), only (one engine), failover (its "
+         "engine was gone).", "frontend", ("engine", "reason")),
+    Spec("conveyor_engine_up", Gauge, "Per engine registered in Redis: 1 while it is live and serving (its "
+         "scheduler heartbeats, its worker and Redis answer), else 0.", "frontend", ("engine",)),
     # scheduler: queue, cache, steps
     Spec("conveyor_requests_running", Gauge, "Requests in the running set.", "scheduler"),
     Spec("conveyor_requests_waiting", Gauge, "Requests in the waiting queue.", "scheduler"),
     Spec("conveyor_kv_blocks_used", Gauge, "KV cache blocks held by requests.", "scheduler"),
     Spec("conveyor_kv_blocks_total", Gauge, "KV cache blocks of the worker.", "scheduler"),
     Spec("conveyor_kv_cache_usage_ratio", Gauge, "Used / total KV cache blocks (0 to 1).", "scheduler"),
+    Spec("conveyor_prefix_cache_queries_total", Counter, "Prompt tokens (with the output so far, for a "
+         "recompute) of admitted requests looked up in the prefix cache.", "scheduler"),
+    Spec("conveyor_prefix_cache_hits_total", Counter, "Of the tokens looked up, those found in the prefix "
+         "cache: their KV was reused, not computed.", "scheduler"),
+    Spec("conveyor_prefix_cache_blocks", Gauge, "KV blocks the prefix cache can hand out (held, or free until "
+         "evicted).", "scheduler"),
+    Spec("conveyor_engine_takeovers_total", Counter, "Requests this engine took over from engines whose lease "
+         "in Redis expired (they died), recomputed here from their tokens so far.", "scheduler"),
     Spec("conveyor_queue_time_seconds", Histogram, "Submit to first scheduled (again after a preemption).",
          "scheduler", buckets=LATENCY_BUCKETS),
     Spec("conveyor_prefill_time_seconds", Histogram, "First scheduled to first output token.", "scheduler",

@@ -81,6 +81,8 @@ class RequestParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # scheduling: lower runs first (as vLLM); equal priorities run in arrival order
+    priority: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

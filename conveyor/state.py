@@ -16,7 +16,8 @@ Layout (all keys under one prefix, ``--redis-prefix``, default ``conveyor``):
     conditions), ``frontend`` (address of the frontend holding the client stream), ``arrival`` /
     ``first_token`` / ``finish`` (Unix seconds), ``num_output`` (output tokens so far), ``finish_reason``
     (``stop`` | ``length`` | ``abort`` | ``error``), ``error`` (with ``error``: what failed),
-    ``stopped_by_token`` (``1`` when an eos / stop token ended it: that token has no text).
+    ``stopped_by_token`` (``1`` when an eos / stop token ended it: that token has no text), ``engine``
+    (the engine holding it: ``conveyor.engines``).
 ``{prefix}:req:{key}:out`` list
     The output token ids, appended once per step (position in the list = index in the output).
 ``{prefix}:alias:{owner as hex}:{client_id}`` string
@@ -79,6 +80,7 @@ class RequestRecord:
     output_ids: list[int] = field(default_factory=list)  # from the :out list, not the hash
     client_id: str = ""  # the client's name for it ("" : the key itself)
     error: str | None = None  # with finish_reason "error"
+    engine: str = ""  # the engine that holds it (conveyor.engines)
 
     def __post_init__(self):
         self.client_id = self.client_id or self.request_id
@@ -88,6 +90,7 @@ class RequestRecord:
             "request_id": self.request_id, "status": self.status, "prompt_ids": json.dumps(self.prompt_ids),
             "params": self.params.to_json(), "frontend": self.frontend, "arrival": repr(self.arrival),
             "num_output": str(self.num_output), "owner": self.owner, "client_id": self.client_id,
+            "engine": self.engine,
         }
         if self.stopped_by_token:
             fields["stopped_by_token"] = "1"
@@ -108,7 +111,7 @@ class RequestRecord:
             arrival=float(raw["arrival"]), status=raw["status"], num_output=int(raw.get("num_output", 0)),
             first_token=number("first_token"), finish=number("finish"), finish_reason=raw.get("finish_reason"),
             stopped_by_token=raw.get("stopped_by_token") == "1", owner=raw.get("owner", ""), output_ids=output_ids,
-            client_id=raw.get("client_id", ""), error=raw.get("error"),
+            client_id=raw.get("client_id", ""), error=raw.get("error"), engine=raw.get("engine", ""),
         )
 
 

@@ -14,7 +14,6 @@ class DetokenizerConfig:
     model: str = setting("default", "the model whose tokenizer to use (as the worker's --model)")
     host: str = setting("127.0.0.1", "address to listen on (internal service: localhost by default)")
     port: int = setting(50054, "gRPC port")
-    scheduler: str = setting("127.0.0.1:50052", "address of the scheduler (told when a stop string matches)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state", secret=True)
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")
     orphan_timeout: float = setting(30.0, "seconds a request may have no frontend holding its client stream (its "

@@ -1,4 +1,5 @@
-"""``conveyor serve detokenizer``: the Detokenizer gRPC service and the feeds to frontends and scheduler."""
+"""``conveyor serve detokenizer``: the Detokenizer gRPC service and the feeds to frontends and schedulers
+(one detokenizer serves every engine; a Finish or an orphan's Abort goes to the engine holding the request)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import time
 import grpc
 
 from conveyor import grpc_util
-from conveyor.errors import InvalidArgument, Unavailable
+from conveyor.engines import Registry, Schedulers
+from conveyor.errors import ConveyorError, InvalidArgument, Unavailable
 from conveyor.metrics import Metrics
-from conveyor.state import RequestStore
+from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, detokenizer_pb2, detokenizer_pb2_grpc, frontend_pb2, frontend_pb2_grpc
-from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+from conveyor.v1 import scheduler_pb2
 from conveyor.wire import FINISH_FROM_PB, FINISH_TO_PB
 from detokenizer_svc.config import DetokenizerConfig
 from conveyor.messages import Delta
@@ -94,11 +96,12 @@ class Orphans:
 
 
 class FinishSender:
-    """Tells the scheduler about stop-string matches from its own thread, retrying while it is down
-    (a Finish lost in a scheduler restart would let the request run on to max_tokens)."""
+    """Tells the engine holding a request about its stop-string match, from its own thread, retrying while it
+    is down (a Finish lost in a scheduler restart would let the request run on to max_tokens); a request
+    that moved to another engine meanwhile is told there."""
 
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, give_up_after: float = 300.0):
-        self.stub = stub
+    def __init__(self, schedulers: Schedulers, give_up_after: float = 300.0):
+        self.schedulers = schedulers
         self.give_up_after = give_up_after
         self.queue: queue.Queue[tuple[str, int, float]] = queue.Queue()
         threading.Thread(target=self._run, name="finish", daemon=True).start()
@@ -112,20 +115,22 @@ class FinishSender:
             backoff = 0.05
             while time.monotonic() - queued < self.give_up_after:
                 try:
-                    self.stub.Finish(scheduler_pb2.FinishRequest(request_id=request_id, num_tokens=num_tokens),
-                                     timeout=5)
+                    held = self.schedulers.of_request(request_id)
+                    if held is None:  # its record expired: nothing runs it any more
+                        break
+                    held[1].Finish(scheduler_pb2.FinishRequest(request_id=request_id, num_tokens=num_tokens), timeout=5)
                     break
-                except grpc.RpcError as exc:
-                    log.warning("could not tell the scheduler that %s stopped (%s); retrying", request_id, exc.code())
+                except (grpc.RpcError, ConveyorError, *REDIS_DOWN) as exc:
+                    code = exc.code() if isinstance(exc, grpc.RpcError) else exc
+                    log.warning("could not tell the scheduler that %s stopped (%s); retrying", request_id, code)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
 
 
 class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, core: DetokenizerCore, scheduler: scheduler_pb2_grpc.SchedulerStub, metrics: Metrics,
-                 orphan_timeout: float):
+    def __init__(self, core: DetokenizerCore, schedulers: Schedulers, metrics: Metrics, orphan_timeout: float):
         self.core = core
-        self.scheduler = scheduler
+        self.schedulers = schedulers
         self.metrics = metrics
         self.channels = Channels()
         self.orphans = Orphans(orphan_timeout)
@@ -176,20 +181,22 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
 
     def _abort(self, request_id: str) -> None:
         try:
-            self.scheduler.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=request_id), timeout=5)
-        except grpc.RpcError as exc:
-            log.warning("could not abort %s at the scheduler: %s", request_id, exc.code())
+            held = self.schedulers.of_request(request_id)
+            if held is not None:
+                held[1].Abort(scheduler_pb2.SchedulerAbortRequest(request_id=request_id), timeout=5)
+        except (grpc.RpcError, ConveyorError, *REDIS_DOWN) as exc:
+            log.warning("could not abort %s at its engine: %s", request_id, exc)
 
 
 def serve(cfg: DetokenizerConfig) -> None:
     tokenizer = load_tokenizer(cfg.model)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
-    scheduler = scheduler_pb2_grpc.SchedulerStub(grpc_util.internal_channel(cfg.scheduler))
+    schedulers = Schedulers(Registry(store))
 
     metrics = Metrics("detokenizer")
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
 
-    finish = FinishSender(scheduler)
+    finish = FinishSender(schedulers)
 
     def on_stop(request_id: str, num_tokens: int, repeat: bool = False) -> None:
         if not repeat:
@@ -199,7 +206,7 @@ def serve(cfg: DetokenizerConfig) -> None:
     core = DetokenizerCore(tokenizer, store, on_stop)
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
-    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, scheduler, metrics, cfg.orphan_timeout), server)
+    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, schedulers, metrics, cfg.orphan_timeout), server)
     port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)

@@ -13,6 +13,12 @@ ENV_PREFIX = "CONVEYOR_SCHEDULER_"
 class SchedulerConfig:
     host: str = setting("127.0.0.1", "address to listen on (internal service: localhost by default)")
     port: int = setting(50052, "gRPC port")
+    engine: str = setting("engine-0", "this engine's name (a scheduler and its worker), unique among the engines "
+                                      "sharing a Redis; a scheduler restarted with the same name takes back its requests")
+    advertise: str = setting("", "address the frontends and the detokenizer reach this scheduler at "
+                                 "(default: 127.0.0.1:PORT, or HOST:PORT when --host names one)")
+    engine_ttl: float = setting(3.0, "seconds this engine stays registered without a heartbeat: after it, another "
+                                     "engine takes its requests over (its lease on them)")
     worker: str = setting("127.0.0.1:50053", "address of the worker")
     detokenizer: str = setting("127.0.0.1:50054", "address of the detokenizer")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state", secret=True)
@@ -23,6 +29,8 @@ class SchedulerConfig:
     max_waiting: int = setting(1024, "most requests waiting; beyond it Submit returns RESOURCE_EXHAUSTED")
     step_timeout: float = setting(120.0, "seconds the worker may take to answer a step before it is declared dead "
                                          "and its requests are requeued (0: wait forever)")
+    prefix_cache: bool = setting(True, "reuse the KV of full blocks a request shares with earlier ones (same "
+                                       "tokens from the start); --no-prefix-cache computes every prompt whole")
     max_step_failures: int = setting(3, "failed worker steps a request may cause (found by running it alone) "
                                         "before it ends with an error, so that the others go on")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
@@ -38,6 +46,15 @@ class SchedulerConfig:
         require(self.finished_ttl > 0, "finished_ttl", "must be > 0")
         require(self.step_timeout >= 0, "step_timeout", "must be >= 0")
         require(self.max_step_failures >= 1, "max_step_failures", "must be >= 1")
+        require(self.engine_ttl >= 0.5, "engine_ttl", "must be >= 0.5")
+        require(bool(self.engine) and ":" not in self.engine, "engine", "must be a non-empty name without ':'")
+
+    def advertised(self, port: int) -> str:
+        """Where the other processes reach this scheduler (``port``: the one it bound)."""
+        if self.advertise:
+            return self.advertise
+        host = self.host if self.host not in ("0.0.0.0", "::", "[::]", "") else "127.0.0.1"
+        return f"{host}:{port}"
 
     def limits(self, device: str) -> tuple[int, int]:
         """(max_num_batched_tokens, max_num_seqs), filling the 0 = auto values for the worker's device."""

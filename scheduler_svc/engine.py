@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from conveyor.errors import NotFound
+from conveyor.engines import Lease
+from conveyor.errors import NotFound, Unavailable
 from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.metrics import Metrics
-from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.policy import Counters, Output, Scheduler, StepPlan
 from scheduler_svc.request import Request
 
@@ -62,14 +62,20 @@ Publish = Callable[[int, list[Output]], None]
 
 class Engine:
     def __init__(self, scheduler: Scheduler, store: RequestStore, transport: StepTransport, publish: Publish,
-                 eos_token_ids: tuple[int, ...], depth: int = 2, metrics: Metrics | None = None):
-        """``depth``: steps sent to the worker ahead of their answers (2: the next one always waits there)."""
+                 eos_token_ids: tuple[int, ...], depth: int = 2, metrics: Metrics | None = None, name: str = "",
+                 lease: Lease | None = None):
+        """``depth``: steps sent to the worker ahead of their answers (2: the next one always waits there).
+        ``name``: this engine's (it holds the requests whose record names it); ``lease``: steps are written
+        only while it is fresh (None: always, for an engine alone with its Redis)."""
+        self.name = name
+        self.lease = lease
         self.scheduler = scheduler
         self.store = store
         self.transport = transport
         self.depth = depth
         self.metrics = metrics or Metrics("scheduler")
         self._counted = Counters()  # the scheduler's counters as last exported
+        self._prefix_counted = (0, 0)  # prefix cache (queries, hits) as last exported
         self._last_answer = 0.0
         self.publish = publish
         self.eos_token_ids = eos_token_ids
@@ -92,6 +98,8 @@ class Engine:
             raise NotFound(f"request {request_id!r} is not recorded in Redis")
         if record.status == "finished":
             return len(self.scheduler.waiting)
+        if not self._mine(record):  # it moved (this engine's lease lapsed, or the frontend chose again)
+            raise Unavailable(f"request {request_id!r} is held by engine {record.engine!r}, not {self.name!r}")
         with self.cond:
             self.scheduler.add(Request.from_record(record, self.eos_token_ids))
             self.cond.notify()
@@ -113,20 +121,45 @@ class Engine:
                 self.decided.append(output)
                 self.cond.notify()
 
+    def _mine(self, record) -> bool:
+        return not self.name or record.engine in (self.name, "")
+
     def recover(self) -> int:
-        """Requeue every request Redis says is in flight (after a restart); the worker forgets all."""
-        count = 0
-        for request_id in self.store.inflight():
-            record = self.store.get(request_id)
-            if record is None or record.status == "finished":
-                continue
-            with self.cond:
-                count += self.scheduler.add(Request.from_record(record, self.eos_token_ids), force=True)
+        """Requeue every request Redis says is in flight and this engine holds (after a restart); the worker
+        forgets all."""
+        count = self.adopt(self.store.inflight())
         with self.cond:
             self.scheduler.free_all = True
         if count:
             log.info("recovered %d in-flight requests from Redis", count)
         return count
+
+    def adopt(self, request_ids: list[str]) -> int:
+        """Queue the unfinished requests among ``request_ids`` that this engine holds (recovered, or taken over
+        from an engine that died: recomputed from their tokens so far); returns how many."""
+        count = 0
+        for request_id in request_ids:
+            record = self.store.get(request_id)
+            if record is None or record.status == "finished" or not self._mine(record):
+                continue
+            with self.cond:
+                count += self.scheduler.add(Request.from_record(record, self.eos_token_ids), force=True)
+                self.cond.notify()
+        return count
+
+    def held(self) -> list[str]:
+        with self.cond:
+            return list(self.scheduler.requests)
+
+    def disown(self, request_ids: list[str]) -> None:
+        """Another engine holds these now (this one's lease lapsed): drop them without writing anything."""
+        with self.cond:
+            for request_id in request_ids:
+                self.scheduler.forget(request_id)
+            self.cond.notify()
+        if request_ids:
+            log.warning("%d requests were taken over by other engines while this one's lease had lapsed; dropped "
+                        "them here", len(request_ids))
 
     # ------------------------------------------------------------ the loop
 
@@ -225,6 +258,10 @@ class Engine:
             m.preemptions.inc(counters.preemptions - self._counted.preemptions)
             m.aborts.inc(counters.aborts - self._counted.aborts)
             self._counted = Counters(counters.steps, counters.preemptions, counters.aborts, counters.finished)
+            prefix = s.blocks.stats
+            m.prefix_cache_queries.inc(prefix.queries - self._prefix_counted[0])
+            m.prefix_cache_hits.inc(prefix.hits - self._prefix_counted[1])
+            self._prefix_counted = (prefix.queries, prefix.hits)
             self.export_gauges()
 
     def export_gauges(self) -> None:
@@ -235,6 +272,7 @@ class Engine:
         m.kv_blocks_used.set(s.blocks.num_used)
         m.kv_blocks_total.set(s.blocks.num_blocks)
         m.kv_cache_usage_ratio.set(s.blocks.num_used / max(1, s.blocks.num_blocks))
+        m.prefix_cache_blocks.set(s.blocks.num_cached)
         m.worker_up.set(1 if self.worker_up else 0)
 
     def _recover(self, plan: StepPlan, exc: Exception, backoff: float, dropped) -> float:
@@ -269,7 +307,7 @@ class Engine:
             if (num_blocks, block_size, max_len) != (s.blocks.num_blocks, s.blocks.block_size, s.max_model_len):
                 log.warning("the worker came back with %d blocks x %d tokens (was %d x %d); adopting them",
                             num_blocks, block_size, s.blocks.num_blocks, s.blocks.block_size)
-                self.decided += s.resize(BlockManager(num_blocks, block_size), max_len)
+                self.decided += s.resize(s.blocks.resized(num_blocks, block_size), max_len)
                 self.export_gauges()
 
     def _set_health(self, worker_up: bool | None = None, redis_up: bool | None = None) -> None:
@@ -310,6 +348,7 @@ class Engine:
         attempt = 0
         rewrites: dict[str, int] = {}
         while True:
+            self._wait_for_lease()
             try:
                 lost = writer.execute()
                 if not self.redis_up:
@@ -337,6 +376,16 @@ class Engine:
             writer = self.store.writer()  # retry by rewriting the step's records whole: idempotent
             for request in requests.values():
                 writer.restore(request.to_record(now))
+
+    def _wait_for_lease(self) -> None:
+        """Write only while this engine surely holds its requests: once its lease may have expired another
+        engine may have taken them, and the heartbeat settles which are still ours."""
+        waited = 0
+        while self.lease is not None and not self.lease.fresh() and not self._stopped:
+            if waited % 100 == 0:
+                log.warning("this engine's lease in Redis is not fresh; steps wait for the heartbeat")
+            time.sleep(0.02)
+            waited += 1
 
     def _give_up(self, request: Request) -> None:
         """A record Redis refuses even when rewritten whole: end that request (its own error, not an

@@ -1,15 +1,22 @@
 """Continuous batching: what each engine step computes, and what its results change.
 
 Each step has two limits: ``max_num_batched_tokens`` (tokens one forward may process) and the
-free KV blocks; ``max_num_seqs`` caps the running set. Order (vLLM v1's):
+free KV blocks; ``max_num_seqs`` caps the running set. Requests carry a priority (lower first, as
+vLLM); the waiting queue and the running set are both ordered by (priority, arrival). A step goes
+through the priority classes best first, and in each (vLLM v1's order within one class):
 
-1. Running requests, oldest first: one decode token each, or the next chunk of a prompt that is
-   still being prefilled. A request that needs a block when none is free makes the *newest*
-   running request give up its blocks (preemption: it goes back to the front of the queue and is
-   recomputed from prompt + tokens so far when readmitted). A request the token budget cannot
-   reach this step simply sits out and keeps its blocks.
-2. Waiting requests, first come first served, while budget, sequence cap and blocks allow (not in
-   a step that had to preempt). A long prompt is admitted with its first chunk.
+1. Its running requests, oldest first: one decode token each, or the next chunk of a prompt that is
+   still being prefilled. A request that needs a block when none is free makes the *last* running
+   request (the lowest priority, the newest) give up its blocks (preemption: it goes back to the
+   queue in its place by priority and arrival, and is recomputed from prompt + tokens so far when
+   readmitted; its full blocks stay in the prefix cache). A request the token budget cannot reach
+   this step simply sits out and keeps its blocks.
+2. Its waiting requests, first come first served, while budget, sequence cap and blocks allow; a
+   request that lacks blocks or a sequence slot preempts running requests of a *worse* priority
+   (last first) to get them, so a burst of low-priority work delays a high-priority request by one
+   step at most. Admission stops at the first request that cannot be admitted (no overtaking within
+   a class, so equal priorities cannot starve) and in a step that had to preempt to grow. A long
+   prompt is admitted with its first chunk; its cached prefix (``block_manager``) is not computed.
 
 Finished, aborted and preempted requests free their blocks at once; the worker is told to forget
 them in the next step. Nothing here does I/O.
@@ -24,7 +31,7 @@ results come back, a request that has meanwhile finished, been aborted or preemp
 from __future__ import annotations
 
 import time
-from collections import deque
+from bisect import insort
 from dataclasses import dataclass, field
 
 from conveyor.errors import ResourceExhausted
@@ -43,10 +50,11 @@ class Chunk:
     sample: bool
     decode_last: bool = False  # the token is the one the worker samples in the step before
     epoch: int = 0  # the request's epoch when scheduled
+    registers: bool = False  # the request's first chunk since admission (always at position 0): the worker learns of it
+    cached_ids: list[int] = field(default_factory=list)  # registers after a prefix cache hit: its tokens
 
-    @property
-    def registers(self) -> bool:
-        return self.start_pos == 0
+    def __post_init__(self):
+        self.registers = self.registers or self.start_pos == 0
 
 
 @dataclass
@@ -98,8 +106,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # ordered by ``_rank``
+        self.running: list[Request] = []  # ordered by ``_rank``: the last is preempted first
         self.requests: dict[str, Request] = {}
         self.to_free: list[str] = []  # told to the worker in the next step
         self.free_all = False
@@ -107,6 +115,7 @@ class Scheduler:
         self.admitted: list[Request] = []  # since the last plan (for the queue-time metric)
         self.counters = Counters()
         self._solo_turn = True  # with suspects: every other step runs one of them alone
+        self._arrivals = 0  # requests added so far: breaks ties between equal arrival times
 
     # ------------------------------------------------------------ arrivals and departures
 
@@ -118,7 +127,9 @@ class Scheduler:
             raise ResourceExhausted(f"the waiting queue is full ({self.max_waiting} requests; --max-waiting)")
         self.requests[request.request_id] = request
         request.queued_at = time.monotonic()
-        self.waiting.append(request)
+        self._arrivals += 1
+        request.order = self._arrivals
+        insort(self.waiting, request, key=_rank)
         return True
 
     def abort(self, request_id: str) -> Output | None:
@@ -128,6 +139,13 @@ class Scheduler:
             return None
         self.counters.aborts += 1
         return self._finish(request, "abort")
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request another engine now holds: its blocks are freed, nothing is reported."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.status = Status.FINISHED
+            self._drop(request)
 
     def finish_at(self, request_id: str, num_tokens: int) -> Output | None:
         """A stop string matched after ``num_tokens`` output tokens: end the request there."""
@@ -154,11 +172,18 @@ class Scheduler:
             self.running.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
+        self._keep_prefix(request)
         if self.blocks.release(request.request_id):  # it holds blocks: the worker knows it
             self.to_free.append(request.request_id)
 
+    def _keep_prefix(self, request: Request) -> None:
+        """Before a request's blocks are released: its full blocks stay in the prefix cache (a preempted
+        request finds its own again; a conversation's next turn finds this one's)."""
+        self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens), now=True)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._keep_prefix(request)
         self.blocks.release(request.request_id)
         self.to_free.append(request.request_id)
         request.status = Status.WAITING
@@ -166,7 +191,7 @@ class Scheduler:
         request.samples_in_flight = 0
         request.epoch += 1
         request.queued_at = time.monotonic()
-        self.waiting.appendleft(request)
+        insort(self.waiting, request, key=_rank)
         self.preempted.append(request)
         self.counters.preemptions += 1
 
@@ -174,6 +199,7 @@ class Scheduler:
         """The worker lost its state (restarted, or a step failed): recompute everything running."""
         for request in reversed(self.running[:]):
             self._preempt(request)
+        self.blocks.clear()
         self.to_free.clear()
         self.free_all = True
 
@@ -230,6 +256,7 @@ class Scheduler:
             chunks = self._schedule_batch(self.max_num_batched_tokens)
         if not chunks and suspect is not None and not self._solo_turn:  # nothing else to run: no need to wait
             chunks = self._schedule_alone(suspect)
+        self.blocks.publish()
         plan = StepPlan(self.counters.steps + 1, chunks, self.to_free, self.free_all, self.preempted, self.admitted)
         if not plan.empty:
             self.counters.steps += 1
@@ -238,35 +265,36 @@ class Scheduler:
 
     def _schedule_batch(self, budget: int) -> list[Chunk]:
         chunks: list[Chunk] = []
-        preempted = False
-        for request in list(self.running):
-            if budget == 0 or request.status is not Status.RUNNING:
-                break
-            if request.suspect:
-                continue
-            n = self._wants(request, budget)
-            if not n:
-                continue
-            while not self.blocks.can_grow(request.request_id, request.num_computed + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
+        admitting = True  # until a waiting request cannot be admitted, or a running one had to preempt
+        for priority in sorted({r.priority for r in (*self.running, *self.waiting)}):
+            for request in [r for r in self.running if r.priority == priority]:
+                if budget == 0:
                     break
-            if request.status is not Status.RUNNING:
-                break
-            chunks.append(self._chunk(request, n))
-            budget -= n
-        for request in list(self.waiting):
-            if preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            if request.suspect:
-                continue
-            n = min(request.num_pending, budget)
-            if not self._admit(request, n):
-                break
-            chunks.append(self._chunk(request, n))
-            budget -= n
+                if request.status is not Status.RUNNING or request.suspect:
+                    continue  # preempted in this step (it was last), or running alone
+                n = self._wants(request, budget)
+                if not n:
+                    continue
+                while not self.blocks.can_grow(request.request_id, request.num_computed + n):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    admitting = False
+                    if victim is request:
+                        break
+                if request.status is Status.RUNNING:
+                    chunks.append(self._chunk(request, n))
+                    budget -= n
+            for request in [r for r in self.waiting if r.priority == priority]:
+                if not admitting or budget <= 0:
+                    break
+                if request.suspect:
+                    continue
+                chunk = self._admit(request, budget, make_room=True)
+                if chunk is None:
+                    admitting = False
+                    break
+                chunks.append(chunk)
+                budget -= len(chunk.token_ids)
         return chunks
 
     def _schedule_alone(self, request: Request) -> list[Chunk]:
@@ -276,11 +304,9 @@ class Scheduler:
             n = self._wants(request, budget)
             if not n or not self.blocks.can_grow(request.request_id, request.num_computed + n):
                 return []
-        else:
-            n = min(request.num_pending, budget)
-            if len(self.running) >= self.max_num_seqs or not self._admit(request, n):
-                return []
-        return [self._chunk(request, n)]
+            return [self._chunk(request, n)]
+        chunk = self._admit(request, budget)
+        return [chunk] if chunk is not None else []
 
     def _wants(self, request: Request, budget: int) -> int:
         """Tokens a running request would compute this step (0: none until its sampled token is back)."""
@@ -290,26 +316,44 @@ class Scheduler:
             return 1  # decode the token still on its way back
         return 0
 
-    def _admit(self, request: Request, n: int) -> bool:
-        """Move a waiting request to the running set if blocks for its first ``n`` tokens are free."""
-        if not self.blocks.can_grow(request.request_id, n):
-            return False
+    def _admit(self, request: Request, budget: int, make_room: bool = False) -> Chunk | None:
+        """Move a waiting request to the running set with its first chunk, if a sequence slot and blocks
+        for it are free; ``make_room``: preempt running requests of a worse priority (the last first) until
+        they are. Its longest cached prefix is taken from the prefix cache, not computed (nor counted in
+        ``budget``)."""
+        hits = self.blocks.match(request.tokens, request.num_tokens)
+        cached = len(hits) * self.blocks.block_size
+        n = min(request.num_tokens - cached, budget)
+
+        def fits() -> bool:
+            return len(self.running) < self.max_num_seqs and self.blocks.can_allocate(hits, cached + n)
+
+        while not fits():
+            if not (make_room and self.running and self.running[-1].priority > request.priority):
+                return None
+            self._preempt(self.running[-1])
+        self.blocks.allocate(request.request_id, hits, request.tokens, cached + n)
         self.waiting.remove(request)
         request.status = Status.RUNNING
+        request.num_computed = cached
         self.admitted.append(request)
-        self.running.append(request)
-        return True
+        insort(self.running, request, key=_rank)
+        return self._chunk(request, n, registers=True)
 
-    def _chunk(self, request: Request, n: int) -> Chunk:
+    def _chunk(self, request: Request, n: int, registers: bool = False) -> Chunk:
         start = request.num_computed
         new_blocks = self.blocks.grow(request.request_id, start + n)
+        if registers:
+            new_blocks = list(self.blocks.table(request.request_id))
         if request.num_pending == 0:  # everything known is computed: the next token is in flight
             chunk = Chunk(request, [], start, new_blocks, sample=True, decode_last=True, epoch=request.epoch)
         else:
             chunk = Chunk(request, request.tokens(start, start + n), start, new_blocks,
-                          sample=start + n == request.num_tokens, epoch=request.epoch)
+                          sample=start + n == request.num_tokens, epoch=request.epoch, registers=registers,
+                          cached_ids=request.tokens(0, start) if registers and start else [])
         request.num_computed = start + n
         request.samples_in_flight += chunk.sample
+        self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens))
         return chunk
 
     def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None) -> list[Output]:
@@ -343,3 +387,8 @@ class Scheduler:
                 output.finish_reason = reason
             outputs.append(output)
         return outputs
+
+
+def _rank(request: Request) -> tuple[int, float, int]:
+    """The order of the waiting queue and the running set: priority, then arrival (then order added)."""
+    return request.priority, request.arrival, request.order

@@ -42,6 +42,8 @@ class Request:
     # isolating a request that makes the worker fail (see ``Scheduler.step_failed``)
     suspect: bool = False  # was in a failed step: runs in steps of its own until it gets a token
     failures: int = 0  # failed steps this request is known to have caused
+    engine: str = ""  # the engine holding it (kept to rewrite the Redis record whole)
+    order: int = 0  # when the scheduler added it, among the requests it holds (ties of arrival)
 
     @classmethod
     def from_record(cls, record: RequestRecord, eos_token_ids: tuple[int, ...]) -> Request:
@@ -49,7 +51,7 @@ class Request:
         return cls(
             record.request_id, record.prompt_ids, record.params, record.params.stop_ids(eos_token_ids),
             record.arrival, output_ids=list(record.output_ids), first_token_time=record.first_token,
-            frontend=record.frontend, owner=record.owner, client_id=record.client_id,
+            frontend=record.frontend, owner=record.owner, client_id=record.client_id, engine=record.engine,
         )
 
     def to_record(self, now: float) -> RequestRecord:
@@ -58,8 +60,12 @@ class Request:
         return RequestRecord(
             self.request_id, self.prompt_ids, self.params, self.frontend, self.arrival, self.status.value,
             len(self.output_ids), self.first_token_time, now if finished else None, self.finish_reason,
-            self.stopped_by_token, self.owner, list(self.output_ids), self.client_id, self.error,
+            self.stopped_by_token, self.owner, list(self.output_ids), self.client_id, self.error, self.engine,
         )
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
 
     @property
     def num_tokens(self) -> int:

@@ -14,12 +14,14 @@ import time
 import grpc
 
 from conveyor import grpc_util
+from conveyor.engines import EngineInfo, Lease, Registry
 from conveyor.errors import Unavailable
 from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
 from conveyor.wire import FAILED_SEQ_METADATA, FINISH_TO_PB, logprobs_to_pb
+from conveyor.prefix import root_key
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, StepFailed
@@ -51,6 +53,7 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
         if c.registers:
             chunk.sampling.CopyFrom(sampling_pb(c.request))
             chunk.num_prompt_tokens = len(c.request.prompt_ids)
+            chunk.cached_token_ids.extend(c.cached_ids)
         chunks.append(chunk)
     return worker_pb2.StepRequest(step_id=plan.step, chunks=chunks, free_seq_ids=plan.free_ids, free_all=plan.free_all)
 
@@ -220,7 +223,77 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 steps=s.counters.steps, running=len(s.running), waiting=len(s.waiting),
                 num_blocks=s.blocks.num_blocks, free_blocks=s.blocks.num_free, preemptions=s.counters.preemptions,
                 aborts=s.counters.aborts, finished=s.counters.finished, requests=states, worker_up=engine.worker_up,
+                prefix_cache_queries=s.blocks.stats.queries, prefix_cache_hits=s.blocks.stats.hits,
+                cached_blocks=s.blocks.num_cached,
             )
+
+
+class Membership:
+    """Keeps this engine registered in Redis (its lease on its requests, ``conveyor.engines``) and takes
+    over the requests of engines whose lease expired. Runs on a thread of its own."""
+
+    def __init__(self, engine: Engine, registry: Registry, address: str, model: str, metrics: Metrics):
+        self.engine, self.registry, self.metrics = engine, registry, metrics
+        self.address, self.model = address, model
+        self.lease = engine.lease
+        self.ttl = self.lease.ttl
+        self._registered = False
+        self._stop = threading.Event()
+
+    def info(self) -> EngineInfo:
+        e = self.engine
+        with e.cond:
+            s = e.scheduler
+            return EngineInfo(e.name, self.address, self.model, len(s.running), len(s.waiting),
+                              s.blocks.num_used / max(1, s.blocks.num_blocks), e.worker_up and e.redis_up)
+
+    def beat(self) -> None:
+        """One heartbeat. When the lease had lapsed, first drop what other engines took meanwhile: the
+        lease counts as fresh again only after that."""
+        sent = time.monotonic()
+        existed = self.registry.heartbeat(self.info(), self.ttl)
+        if self._registered and not existed:
+            held = self.engine.held()
+            owners = self.registry.engines_of(held)
+            self.engine.disown([rid for rid, owner in zip(held, owners) if owner not in (self.engine.name, None)])
+            log.warning("this engine's registration had expired (no heartbeat for %.1f s); registered again",
+                        self.ttl)
+        self._registered = True
+        self.lease.refreshed(sent)
+
+    def take_over(self) -> None:
+        """Move the requests of dead engines here (one claim per dead engine; another engine may win it)."""
+        for dead in self.registry.dead():
+            if dead == self.engine.name or not self.lease.fresh():
+                continue
+            moved = self.registry.claim(dead, self.engine.name)
+            if moved:
+                adopted = self.engine.adopt(moved)
+                self.metrics.engine_takeovers.inc(adopted)
+                log.warning("engine %s is gone; took over its %d requests", dead, adopted)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="membership", daemon=True).start()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.ttl / 6):
+            try:
+                self.beat()
+                self.take_over()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - Redis down: the lease goes stale, steps wait
+                if failures % 20 == 0:
+                    log.warning("engine heartbeat failed: %s", exc)
+                failures += 1
+
+    def stop(self) -> None:
+        """A clean stop: leave at once, so that another engine takes the requests over without waiting."""
+        self._stop.set()
+        try:
+            self.registry.leave(self.engine.name)
+        except Exception:  # noqa: BLE001 - Redis down: the registration expires by itself
+            pass
 
 
 def worker_info(stub: worker_pb2_grpc.WorkerStub, address: str) -> worker_pb2.InfoResponse:
@@ -252,28 +325,30 @@ def watch_redis(store: RequestStore, metrics: Metrics, every: float = 5.0) -> No
     threading.Thread(target=run, name="redis-rtt", daemon=True).start()
 
 
-def build_engine(cfg: SchedulerConfig, metrics: Metrics) -> tuple[Engine, scheduler_pb2.SchedulerInfoResponse]:
+def build_engine(cfg: SchedulerConfig, metrics: Metrics, lease: Lease | None = None
+                 ) -> tuple[Engine, scheduler_pb2.SchedulerInfoResponse, worker_pb2.InfoResponse, RequestStore]:
     worker = worker_pb2_grpc.WorkerStub(grpc_util.internal_channel(cfg.worker))
     info = worker_info(worker, cfg.worker)
     max_len = min(info.max_model_len, info.num_blocks * info.block_size)
     batched, seqs = cfg.limits(info.device)
-    scheduler = Scheduler(BlockManager(info.num_blocks, info.block_size), max_len, batched, seqs, cfg.max_waiting,
-                          cfg.max_step_failures)
+    blocks = BlockManager(info.num_blocks, info.block_size, cfg.prefix_cache, root_key(info.model_name))
+    scheduler = Scheduler(blocks, max_len, batched, seqs, cfg.max_waiting, cfg.max_step_failures)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix, cfg.finished_ttl)
     detokenizer = detokenizer_pb2_grpc.DetokenizerStub(
         grpc_util.internal_channel(cfg.detokenizer)
     )
 
     engine = Engine(scheduler, store, StepChannel(worker, cfg.step_timeout), Publisher(detokenizer),
-                    tuple(info.eos_token_ids), metrics=metrics)
+                    tuple(info.eos_token_ids), metrics=metrics, name=cfg.engine, lease=lease)
     watch_redis(store, metrics)
     public = scheduler_pb2.SchedulerInfoResponse(
         model_name=info.model_name, max_model_len=max_len, eos_token_ids=info.eos_token_ids,
         vocab_size=info.vocab_size, max_waiting=cfg.max_waiting, device=info.device, dtype=info.dtype,
     )
-    log.info("worker %s: %s on %s, %d blocks x %d tokens; max %d batched tokens, %d sequences, %d waiting",
-             cfg.worker, info.model_name, info.device, info.num_blocks, info.block_size, batched, seqs, cfg.max_waiting)
-    return engine, public
+    log.info("engine %s, worker %s: %s on %s, %d blocks x %d tokens; max %d batched tokens, %d sequences, %d "
+             "waiting; prefix cache %s", cfg.engine, cfg.worker, info.model_name, info.device, info.num_blocks,
+             info.block_size, batched, seqs, cfg.max_waiting, "on" if cfg.prefix_cache else "off")
+    return engine, public, info, store
 
 
 def serve(cfg: SchedulerConfig) -> None:
@@ -285,8 +360,17 @@ def serve(cfg: SchedulerConfig) -> None:
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()  # health answers NOT_SERVING while we wait for the worker
-    engine, info = build_engine(cfg, metrics)
-    engine.on_health = lambda serving: grpc_util.set_serving(health, [SERVICE_NAME], serving, metrics)
+    engine, info, winfo, store = build_engine(cfg, metrics, Lease(cfg.engine_ttl))
+    membership = Membership(engine, Registry(store), cfg.advertised(port), winfo.model_name, metrics)
+
+    def on_health(serving: bool) -> None:
+        grpc_util.set_serving(health, [SERVICE_NAME], serving, metrics)
+        try:
+            membership.beat()  # the frontends route around an engine that is not serving at once
+        except Exception:  # noqa: BLE001 - Redis down: the next heartbeat says it
+            pass
+
+    engine.on_health = on_health
 
     def crashed(exc: BaseException) -> None:  # the engine loop is gone: stop so a supervisor restarts us
         grpc_util.set_serving(health, [SERVICE_NAME], False, metrics)
@@ -294,12 +378,27 @@ def serve(cfg: SchedulerConfig) -> None:
         os._exit(70)  # EX_SOFTWARE; the engine thread cannot unwind the main thread otherwise
 
     engine.on_crash = crashed
+    _retry_redis(membership.beat)  # registered first: from now on no other engine takes over this one's requests
     engine.recover()
     service.ready(engine, info)
     with engine.cond:
         engine.export_gauges()
     engine.start()
+    membership.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
-    log.info("scheduler serving on %s:%d (metrics on %s:%d)", cfg.host, port, cfg.metrics_host, metrics_port)
+    log.info("scheduler of engine %s serving on %s:%d as %s (metrics on %s:%d)", cfg.engine, cfg.host, port,
+             cfg.advertised(port), cfg.metrics_host, metrics_port)
     grpc_util.wait_for_termination(server, on_stop=lambda: (grpc_util.set_serving(health, [SERVICE_NAME], False, metrics),
-                                                            engine.stop()))
+                                                            engine.stop(), membership.stop()))
+
+
+def _retry_redis(call) -> None:
+    """Call until Redis answers (it may be starting too)."""
+    delay = 0.1
+    while True:
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - Redis not there yet
+            log.warning("Redis: %s; retrying", exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -60,12 +61,24 @@ def start_stack(data_dir, **overrides) -> launcher.Stack:
     return launcher.start(launcher.UpConfig(**(settings | overrides)))
 
 
+@contextlib.contextmanager
+def supervised_stack(data_dir, **overrides):
+    """``start_stack`` with ``conveyor up``'s supervisor restarting what dies (at most 5 times a minute)."""
+    stack = start_stack(data_dir, **overrides)
+    supervisor = stack.supervise(max_restarts=5)
+    try:
+        yield stack
+    finally:
+        supervisor.set()
+        stack.stop()
+
+
 def extra_frontend(stack: launcher.Stack, *flags: str) -> tuple[subprocess.Popen, str]:
     """Another frontend on ``stack`` (its scheduler, detokenizer and Redis), SERVING; returns it and its
     public address. The caller stops it."""
     port, internal = free_port(), free_port()
     proc = spawn("serve", "frontend", "--port", str(port), "--internal-port", str(internal), "--http-port", "-1",
-                 "--scheduler", stack.child("scheduler").health, "--detokenizer", stack.child("detokenizer").health,
+                 "--detokenizer", stack.child("detokenizer").health,
                  "--redis-url", stack.redis_url, "--log-level", "WARNING", *flags)
     wait_serving(f"127.0.0.1:{internal}", "conveyor.v1.Frontend", proc)
     return proc, f"127.0.0.1:{port}"

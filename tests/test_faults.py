@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import extra_frontend, start_stack, stop, wait_serving
+from helpers import extra_frontend, stop, supervised_stack, wait_serving
 
 from conveyor.client import Client
 from conveyor.errors import ConveyorError
@@ -46,11 +46,8 @@ class Received:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = start_stack(tmp_path_factory.mktemp("faults"), kv_cache_bytes=256 << 20)
-    supervisor = s.supervise(max_restarts=5)
-    yield s
-    supervisor.set()
-    s.stop()
+    with supervised_stack(tmp_path_factory.mktemp("faults"), kv_cache_bytes=256 << 20) as s:
+        yield s
 
 
 def _take(received: Received, delta) -> None:

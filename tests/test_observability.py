@@ -104,7 +104,9 @@ def test_metric_values_agree_with_what_the_client_saw(stack, traffic):
     assert value(sch, "conveyor_queue_time_seconds_count") >= len(traffic)
     assert value(sch, "conveyor_worker_up") == 1
     wk = scrape(stack.child("worker").metrics)
-    assert value(wk, "conveyor_worker_tokens_total") >= sum(t["prompt"] + t["tokens"] for t in traffic) - len(traffic)
+    reused = value(sch, "conveyor_prefix_cache_hits_total")  # prompt tokens the worker did not compute
+    assert 0 <= reused <= value(sch, "conveyor_prefix_cache_queries_total")
+    assert value(wk, "conveyor_worker_tokens_total") + reused >= sum(t["prompt"] + t["tokens"] for t in traffic) - len(traffic)
     dt = scrape(stack.child("detokenizer").metrics)
     assert value(dt, "conveyor_detokenizer_tokens_total") >= sum(t["tokens"] for t in traffic)
     stopped = sum(t["reason"] == "stop" for t in traffic)
@@ -226,7 +228,8 @@ def test_compose_commands_ports_and_health_checks_match_the_cli():
     scheduler = parser.parse_args(compose["services"]["scheduler"]["command"])
     detok = parser.parse_args([a.replace("${CONVEYOR_MODEL:-default}", "default")
                                for a in compose["services"]["detokenizer"]["command"]])
-    assert frontend.scheduler == f"scheduler:{addresses['scheduler']}" and detok.scheduler == frontend.scheduler
+    assert scheduler.advertise == f"scheduler:{addresses['scheduler']}"  # how the frontend and detokenizer reach it
+    assert frontend.detokenizer == f"detokenizer:{addresses['detokenizer']}" and detok.port == addresses["detokenizer"]
     assert scheduler.worker == f"worker:{addresses['worker']}"
     assert scheduler.detokenizer == f"detokenizer:{addresses['detokenizer']}"
     assert frontend.advertise == f"frontend:{frontend.internal_port}"

@@ -168,7 +168,7 @@ def test_redis_records_the_documented_fields_and_they_expire(stack, client, defa
 
 
 INVALID = {
-    "no input": ({}, "input must be exactly one of prompt or chat"),
+    "no input": ({}, "input must be exactly one of prompt, prompt_ids or chat"),
     "empty prompt": ({"prompt": ""}, "prompt must not be empty"),
     "max_tokens 0": ({"prompt": "hi", "max_tokens": 0}, "stop.max_tokens must be >= 1"),
     "past max length": ({"prompt": "hi", "max_tokens": 10**6}, "exceeds the max model length"),

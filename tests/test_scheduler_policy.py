@@ -18,8 +18,9 @@ def _request(rid: str, prompt_len: int, max_tokens: int = 100, **params) -> Requ
     return Request(rid, list(range(10, 10 + prompt_len)), p, p.stop_ids((EOS,)), arrival=0.0)
 
 
-def _scheduler(num_blocks=64, block_size=4, budget=32, seqs=8, waiting=16, max_len=1000) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_len, budget, seqs, waiting)
+def _scheduler(num_blocks=64, block_size=4, budget=32, seqs=8, waiting=16, max_len=1000, prefix_cache=False) -> Scheduler:
+    """The policy tests run without the prefix cache (recompute means recompute); its own tests turn it on."""
+    return Scheduler(BlockManager(num_blocks, block_size, prefix_cache), max_len, budget, seqs, waiting)
 
 
 def _run(s: Scheduler, token: int = 7):

@@ -18,7 +18,6 @@ class FrontendConfig:
     internal_host: str = setting("127.0.0.1", "address of the internal Deliver service")
     internal_port: int = setting(50055, "port of the internal Deliver service")
     advertise: str = setting("", "address the detokenizer uses to reach this frontend (default internal host:port)")
-    scheduler: str = setting("127.0.0.1:50052", "address of the scheduler")
     detokenizer: str = setting("127.0.0.1:50054", "address of the detokenizer (asked to replay a stream from Redis)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state", secret=True)
     redis_prefix: str = setting("conveyor", "prefix of every Redis key")

@@ -108,15 +108,18 @@ class ClientStream:
 
 class Frontend:
     def __init__(self, tokenizer: ModelTokenizer, store: RequestStore, limits: Limits, address: str,
-                 submit: Callable[[str], None], abort: Callable[[str], bool],
-                 replay: Callable[[str, str], list[Delta]]):
-        """``address``: where the detokenizer reaches this frontend's Deliver service;
-        ``replay(request_id, address)``: the detokenizer's deltas of the request so far, rebuilt from Redis."""
+                 submit: Callable[[RequestRecord], None], abort: Callable[[str], bool],
+                 replay: Callable[[str, str], list[Delta]], route: Callable[[list[int]], str] = lambda ids: ""):
+        """``address``: where the detokenizer reaches this frontend's Deliver service; ``submit(record)`` hands a
+        recorded request to its engine (it may change ``record.engine`` for a retry when that engine is gone);
+        ``replay(request_id, address)``: the detokenizer's deltas of the request so far, rebuilt from Redis;
+        ``route(prompt_ids)``: the engine a new request goes to."""
         self.tokenizer = tokenizer
         self.store = store
         self.limits = limits
         self.address = address
         self.submit = submit
+        self.route = route
         self.abort_at_scheduler = abort
         self.replay = replay
         self.on_stalled: Callable[[], None] = lambda: None  # counted by the server
@@ -141,8 +144,9 @@ class Frontend:
         prompt_ids = list(inp.prompt_ids) if inp.prompt_ids is not None else self.render(inp)[1]  # ids: no decoding
         params = build_params(inp, len(prompt_ids), self.limits, self.defaults)
         request_id = new_request_key()  # the client's id is only its name (see conveyor.state)
+        engine = _with_redis(lambda: self.route(prompt_ids), "choosing an engine")
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
-                               client_id=inp.request_id)
+                               client_id=inp.request_id, engine=engine)
         stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id)
         with self.lock:
             self.streams[request_id] = stream
@@ -160,7 +164,7 @@ class Frontend:
         """Submit, retrying while the scheduler is unavailable (it may be restarting: a restarted
         scheduler also finds the request in Redis). A refusal removes the record again."""
         try:
-            _retry(lambda: self.submit(record.request_id), Unavailable, timeout)
+            _retry(lambda: self.submit(record), Unavailable, timeout)
         except ConveyorError:
             self.store.discard(record)
             raise

@@ -60,10 +60,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 def _from_conveyor(exc: ConveyorError) -> HttpError:
     """The core's error as HTTP: the field it names (validation messages start with it) becomes ``param``,
-    without the gRPC message's prefixes (``sampling.``, ``stop.``)."""
+    without the gRPC message's prefixes (``sampling.``, ``stop.``); a token-id prompt is ``prompt`` here."""
     message = str(exc)
     for prefix in ("sampling.", "stop.", "chat."):
         message = message.removeprefix(prefix)
+    if message.startswith("prompt_ids "):
+        message = "prompt" + message.removeprefix("prompt_ids")
     status = STATUS.get(exc.code, 500)
     param = message.split(" ", 1)[0] if status == 400 else None
     return HttpError(status, message, param, exc.code.lower())
@@ -134,6 +136,7 @@ def sampling_input(body: dict, chat: bool) -> GenerateInput:
         min_tokens=_get(body, "min_tokens", (int,), 0), stop=_stop_strings(body),
         stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_get(body, "ignore_eos", (bool,), False),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
+        priority=_get(body, "priority", (int,), 0),
     )
 
 

@@ -21,17 +21,17 @@ import time
 import uvicorn
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor import grpc_util
+from conveyor.engines import Registry, Router, Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
 from conveyor.params import sampling_defaults
-from conveyor.state import RequestStore
+from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
-from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from conveyor.wire import FINISH_FROM_PB, FINISH_TO_PB
 from tokenizer_svc.config import FrontendConfig
 from tokenizer_svc.frontend import ClientDelta, Frontend
@@ -60,7 +60,7 @@ def _chat(chat: conveyor_pb2.Chat) -> tuple[list[dict], bool]:
 def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
     s, stop = pb.sampling, pb.stop
     inp = GenerateInput(
-        request_id=pb.request_id,
+        request_id=pb.request_id, priority=pb.priority,
         temperature=_optional(s, "temperature"), top_k=_optional(s, "top_k"), top_p=_optional(s, "top_p"),
         min_p=_optional(s, "min_p"), repetition_penalty=_optional(s, "repetition_penalty"),
         presence_penalty=_optional(s, "presence_penalty"), frequency_penalty=_optional(s, "frequency_penalty"),
@@ -74,6 +74,8 @@ def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
         inp.prompt = pb.prompt
     elif kind == "chat":
         inp.messages, inp.add_generation_prompt = _chat(pb.chat)
+    elif kind == "prompt_ids":
+        inp.prompt_ids = list(pb.prompt_ids.ids)
     return inp
 
 
@@ -93,15 +95,21 @@ def client_delta_to_pb(d: ClientDelta) -> conveyor_pb2.GenerateResponse:
 # ---------------------------------------------------------------- the scheduler, as the core sees it
 
 
-class SchedulerClient:
-    """Submit and abort as plain calls raising ``ConveyorError``s."""
+class EnginesClient:
+    """The engines as the core sees them: routing, submit and abort as plain calls raising ``ConveyorError``s.
+
+    A request goes to the engine ``Router`` picks (``conveyor.engines``); its record says which. A submit
+    that finds its engine gone (not registered any more) moves the request to another live engine, unless
+    one already took it over; the caller's retry then submits there."""
 
     CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument}
 
-    def __init__(self, address: str):
-        channel = grpc_util.internal_channel(address)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        self.health = health_pb2_grpc.HealthStub(channel)
+    def __init__(self, registry: Registry, metrics: Metrics):
+        self.registry = registry
+        self.router = Router(registry)
+        self.schedulers = Schedulers(registry)
+        self.metrics = metrics
+        self.model = ""  # the served model's name: part of the routing keys
 
     def _call(self, method, request, timeout: float = 10.0):
         try:
@@ -110,27 +118,71 @@ class SchedulerClient:
             kind = self.CODES.get(exc.code(), Unavailable)
             raise kind(f"scheduler: {exc.details()}") from exc
 
-    def submit(self, request_id: str) -> None:
-        self._call(self.stub.Submit, scheduler_pb2.SubmitRequest(request_id=request_id))
+    def route(self, prompt_ids: list[int]) -> str:
+        """The engine for a new request. With none serving, a registered one (the submit waits for it)."""
+        route = self.router.choose(prompt_ids, self.model)
+        if route is not None:
+            self.metrics.engine_routes.labels(route.engine.name, route.reason).inc()
+            return route.engine.name
+        names = self.registry.names()
+        if not names:
+            raise Unavailable("no engine is registered in Redis (is a scheduler running with the same Redis and prefix?)")
+        return names[0]
+
+    def submit(self, record: RequestRecord) -> None:
+        try:
+            self._call(self.schedulers.stub(record.engine).Submit, scheduler_pb2.SubmitRequest(request_id=record.request_id))
+        except Unavailable:
+            self._follow(record)
+            raise
+
+    def _follow(self, record: RequestRecord) -> None:
+        """After a failed submit: find where the request should go now (for the caller's retry)."""
+        holder = self.registry.engine_of(record.request_id)
+        if holder is not None and holder != record.engine:  # taken over meanwhile
+            record.engine = holder
+            return
+        if record.engine in {e.name for e in self.registry.live()}:
+            return  # registered: it is restarting or busy; try it again
+        self.router.forget(record.engine)
+        route = self.router.choose(record.prompt_ids, self.model, exclude=record.engine)
+        if route is not None and self.registry.reassign(record.request_id, record.engine, route.engine.name):
+            self.metrics.engine_routes.labels(route.engine.name, "failover").inc()
+            log.warning("engine %s is gone; request %s moves to %s", record.engine, record.client_id, route.engine.name)
+            record.engine = route.engine.name
 
     def abort(self, request_id: str) -> bool:
-        return self._call(self.stub.Abort, scheduler_pb2.SchedulerAbortRequest(request_id=request_id)).aborted
+        held = self.schedulers.of_request(request_id)
+        if held is None:
+            return False
+        return self._call(held[1].Abort, scheduler_pb2.SchedulerAbortRequest(request_id=request_id)).aborted
 
     def serving(self) -> bool:
-        """Whether the scheduler's health says SERVING (it is not while its worker or Redis is down)."""
+        """Whether some engine serves (its worker and Redis answer); exports each engine's state."""
         try:
-            reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-        except grpc.RpcError:
+            live = {e.name: e for e in self.registry.live()}
+            names = set(self.registry.names()) | set(live)
+        except REDIS_DOWN:
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        for name in names:
+            self.metrics.engine_up.labels(name).set(1 if name in live and live[name].serving else 0)
+        return any(e.serving for e in live.values())
 
     def info(self) -> scheduler_pb2.SchedulerInfoResponse:
-        """The scheduler's Info, waiting until it answers (it waits for the worker itself)."""
+        """A scheduler's Info, waiting until an engine registered and answers (it waits for its worker)."""
+        waited = 0
         while True:
             try:
-                return self.stub.Info(scheduler_pb2.SchedulerInfoRequest(), timeout=5)
-            except grpc.RpcError:
-                time.sleep(0.5)
+                for engine in self.registry.live():
+                    reply = self.schedulers.stub(engine.name).Info(scheduler_pb2.SchedulerInfoRequest(), timeout=5)
+                    self.model = reply.model_name
+                    return reply
+            except (grpc.RpcError, ConveyorError, *REDIS_DOWN):
+                pass
+            if waited % 20 == 0:
+                log.info("waiting for an engine to register in Redis and answer")
+            waited += 1
+            time.sleep(0.5)
 
 
 class DetokenizerClient:
@@ -210,17 +262,17 @@ class FrontendService(frontend_pb2_grpc.FrontendServicer):
         return frontend_pb2.DeliverResponse(unknown_request_ids=unknown)
 
 
-async def follow_scheduler(scheduler: SchedulerClient, health, metrics: Metrics, http: OpenAIApi | None,
-                           every: float = 0.5) -> None:
-    """Keep the public health NOT_SERVING (and the HTTP API's ``/health`` 503) while the scheduler (or its
-    worker or Redis) is down."""
+async def follow_engines(engines: EnginesClient, health, metrics: Metrics, http: OpenAIApi | None,
+                         every: float = 0.5) -> None:
+    """Keep the public health NOT_SERVING (and the HTTP API's ``/health`` 503) while no engine serves (their
+    schedulers, workers or Redis are down)."""
     loop = asyncio.get_running_loop()
     serving = True
     while True:
         await asyncio.sleep(every)
-        now = await loop.run_in_executor(None, scheduler.serving)
+        now = await loop.run_in_executor(None, engines.serving)
         if now != serving:
-            log.warning("the scheduler is %s", "back" if now else "down; health is NOT_SERVING")
+            log.warning("%s", "an engine serves again" if now else "no engine serves; health is NOT_SERVING")
             await grpc_util.set_aio_serving(health, [PUBLIC_SERVICE], now, metrics)
             if http is not None:
                 http.serving = now
@@ -263,17 +315,17 @@ async def serve_http(api: OpenAIApi, cfg: FrontendConfig) -> HttpServer:
 def serve(cfg: FrontendConfig) -> None:
     tokenizer = load_tokenizer(cfg.model)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
-    scheduler = SchedulerClient(cfg.scheduler)
     metrics = Metrics("frontend")
+    engines = EnginesClient(Registry(store), metrics)
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
     keys = grpc_util.ApiKeys.load(cfg.api_keys_file, cfg.api_keys)
-    sinfo = scheduler.info()
+    sinfo = engines.info()
     limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings,
                     max_prompt_tokens=cfg.max_prompt_tokens, max_stop_token_ids=cfg.max_stop_token_ids,
                     max_logit_bias=cfg.max_logit_bias)
     detokenizer = DetokenizerClient(cfg.detokenizer)
-    frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, scheduler.submit, scheduler.abort,
-                        detokenizer.replay)
+    frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, engines.submit, engines.abort,
+                        detokenizer.replay, engines.route)
     frontend.on_stalled = metrics.stalled_streams.inc
     frontend.defaults = sampling_defaults(cfg.model)
     log.info("sampling defaults for unset fields: %s", frontend.defaults)
@@ -304,7 +356,7 @@ def serve(cfg: FrontendConfig) -> None:
         http_server = await serve_http(http, cfg) if http is not None else None
         await grpc_util.set_aio_serving(internal_health, [INTERNAL_SERVICE], True)
         await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], True, metrics)
-        watch = asyncio.create_task(follow_scheduler(scheduler, public_health, metrics, http))
+        watch = asyncio.create_task(follow_engines(engines, public_health, metrics, http))
         log.info("frontend serving %s on %s:%d%s%s%s (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name,
                  cfg.host, port, " with TLS" if tls else "", f", {len(keys.digests)} API keys" if keys else "",
                  f", OpenAI HTTP API on port {cfg.http_port}" if http else "", cfg.internal_host, internal_port,

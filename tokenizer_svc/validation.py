@@ -41,6 +41,10 @@ class GenerateInput:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    priority: int = 0
+
+
+MAX_PRIORITY = 1_000_000  # |priority|: room for any scheme of levels, far from integer limits
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,11 @@ def _finite(value: float | None, name: str) -> None:
 def check_input(inp: GenerateInput, limits: Limits) -> None:
     """The request's own fields (before tokenizing)."""
     given = sum(x is not None for x in (inp.prompt, inp.messages, inp.prompt_ids))
-    _check(given == 1, "input", "must be exactly one of prompt or chat")
+    _check(given == 1, "input", "must be exactly one of prompt, prompt_ids or chat")
     if inp.prompt_ids is not None:
-        _check(len(inp.prompt_ids) > 0, "prompt", "must not be empty")
+        _check(len(inp.prompt_ids) > 0, "prompt_ids", "must not be empty")
         bad = [t for t in inp.prompt_ids if not 0 <= t < limits.vocab_size]
-        _check(not bad, "prompt", f"token id {bad[0] if bad else 0} is not below the vocabulary size {limits.vocab_size}")
+        _check(not bad, "prompt_ids", f"token id {bad[0] if bad else 0} is not below the vocabulary size {limits.vocab_size}")
     if inp.prompt is not None:
         _check(inp.prompt != "", "prompt", "must not be empty")
         _check(len(inp.prompt) <= limits.max_prompt_chars, "prompt",
@@ -82,6 +86,8 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
         for i, message in enumerate(inp.messages):
             _check(message["role"] in CHAT_ROLES, f"chat.messages[{i}].role",
                    f"must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}")
+    _check(-MAX_PRIORITY <= inp.priority <= MAX_PRIORITY, "priority",
+           f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {inp.priority}")
     _check(inp.request_id == "" or bool(REQUEST_ID.match(inp.request_id)), "request_id",
            "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -141,5 +147,5 @@ def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
         presence_penalty=pick(inp.presence_penalty, 0.0), frequency_penalty=pick(inp.frequency_penalty, 0.0),
         logit_bias=dict(inp.logit_bias), seed=inp.seed, logprobs=inp.logprobs, max_tokens=max_tokens,
         min_tokens=inp.min_tokens, stop=tuple(inp.stop), stop_token_ids=tuple(inp.stop_token_ids),
-        ignore_eos=inp.ignore_eos, include_stop_str_in_output=inp.include_stop_str_in_output,
+        ignore_eos=inp.ignore_eos, include_stop_str_in_output=inp.include_stop_str_in_output, priority=inp.priority,
     )

@@ -3,7 +3,9 @@
 The worker keeps a little state per sequence (its token history, prompt length, sampling
 parameters and block table) so that each step only carries what changed: the new tokens and the
 blocks appended since the last step. A sequence is registered by a chunk that starts at position
-0 (a new request, or a recompute after preemption) and forgotten when its id is in ``free``.
+0 (a new request, or a recompute after preemption), or by one that names the tokens of a prefix
+whose KV is already in its first blocks (``cached_token_ids``: the scheduler's prefix cache found
+them), and forgotten when its id is in ``free``.
 
 A malformed step raises ``InvalidStep`` before anything is computed or changed, so the cache and
 state of every other sequence stay as they were.
@@ -39,9 +41,14 @@ class SeqChunk:
     start_pos: int
     new_block_ids: list[int] = field(default_factory=list)  # appended to the block table first
     sample: bool = False  # sample a token after the last of token_ids
-    sampling: SamplingParams | None = None  # required when start_pos == 0 (registers the sequence)
+    sampling: SamplingParams | None = None  # required when the chunk registers the sequence
     num_prompt_tokens: int = 0  # with sampling: the original prompt length (later tokens are output)
     decode_last: bool = False  # token_ids empty: compute the token sampled for it in the previous step
+    cached_token_ids: list[int] = field(default_factory=list)  # registers: positions [0, start_pos) hold KV
+
+    @property
+    def registers(self) -> bool:
+        return self.start_pos == 0 or bool(self.cached_token_ids)
 
 
 @dataclass
@@ -103,7 +110,8 @@ class ModelRunner:
         last = self.seqs[c.seq_id].last_sampled if known else None
         if last is None:
             raise InvalidStep(f"{where}: decode_last but nothing was sampled for it in the previous step", c.seq_id)
-        return SeqChunk(c.seq_id, [last], c.start_pos, c.new_block_ids, c.sample, c.sampling, c.num_prompt_tokens)
+        return SeqChunk(c.seq_id, [last], c.start_pos, c.new_block_ids, c.sample, c.sampling, c.num_prompt_tokens,
+                        cached_token_ids=c.cached_token_ids)
 
     def _check_chunk(self, c: SeqChunk, known: bool) -> None:
         where = f"sequence {c.seq_id!r}"
@@ -112,11 +120,17 @@ class ModelRunner:
         bad = [t for t in c.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidStep(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", c.seq_id)
-        if c.start_pos == 0:
+        if c.registers:
             if c.sampling is None:
-                raise InvalidStep(f"{where}: a chunk at position 0 must carry sampling parameters", c.seq_id)
+                raise InvalidStep(f"{where}: a chunk that registers a sequence must carry sampling parameters", c.seq_id)
             if c.num_prompt_tokens < 1:
                 raise InvalidStep(f"{where}: num_prompt_tokens must be >= 1", c.seq_id)
+            if len(c.cached_token_ids) != c.start_pos:
+                raise InvalidStep(f"{where}: start_pos {c.start_pos} but {len(c.cached_token_ids)} cached tokens",
+                                  c.seq_id)
+            bad = [t for t in c.cached_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidStep(f"{where}: cached token id {bad[0]} is outside the vocabulary", c.seq_id)
             table: list[int] = []
         elif not known:
             raise InvalidStep(f"{where}: unknown sequence (it must start at position 0)", c.seq_id)
@@ -183,8 +197,8 @@ class ModelRunner:
         return self.model.logits(self.model(input_ids, positions, self.cache.layers(), meta))
 
     def _staged_state(self, c: SeqChunk) -> SeqState:
-        if c.start_pos == 0:
-            return SeqState(c.sampling, c.num_prompt_tokens, list(c.token_ids), list(c.new_block_ids))
+        if c.registers:
+            return SeqState(c.sampling, c.num_prompt_tokens, c.cached_token_ids + c.token_ids, list(c.new_block_ids))
         old = self.seqs[c.seq_id]
         return SeqState(old.params, old.num_prompt_tokens, old.tokens + c.token_ids, old.block_table + c.new_block_ids)
 

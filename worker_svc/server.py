@@ -81,7 +81,7 @@ def step_from_pb(pb: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
         if sampling is not None:
             check_sampling(c.seq_id, sampling, vocab_size)
         chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
-                               sampling, c.num_prompt_tokens, c.decode_last))
+                               sampling, c.num_prompt_tokens, c.decode_last, list(c.cached_token_ids)))
     return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
 
 

@@ -85,7 +85,7 @@ class RequestState(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., owner: _Optional[str] = ..., status: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("steps", "running", "waiting", "num_blocks", "free_blocks", "preemptions", "aborts", "finished", "requests", "worker_up")
+    __slots__ = ("steps", "running", "waiting", "num_blocks", "free_blocks", "preemptions", "aborts", "finished", "requests", "worker_up", "prefix_cache_queries", "prefix_cache_hits", "cached_blocks")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,9 @@ class StatsResponse(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UP_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     running: int
     waiting: int
@@ -106,4 +109,7 @@ class StatsResponse(_message.Message):
     finished: int
     requests: _containers.RepeatedCompositeFieldContainer[RequestState]
     worker_up: bool
-    def __init__(self, steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., aborts: _Optional[int] = ..., finished: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., worker_up: _Optional[bool] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    cached_blocks: int
+    def __init__(self, steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., aborts: _Optional[int] = ..., finished: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., worker_up: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,13 @@ def scheduler() -> dict:
         panel("Step time by phase", quantiles("conveyor_step_duration_seconds", by="phase", qs=(0.5, 0.9)), "s"),
         panel("Steps / s", [("steps", f"sum(rate(conveyor_steps_total[{RATE}]))")], "ops"),
         panel("Queue time", quantiles("conveyor_queue_time_seconds"), "s"),
+        panel("Prefix cache hit rate (tokens found / looked up)",
+              [("hit rate", f"sum(rate(conveyor_prefix_cache_hits_total[{RATE}])) / "
+                            f"sum(rate(conveyor_prefix_cache_queries_total[{RATE}]))")], "percentunit"),
+        panel("Prefix cache tokens / s and cached blocks",
+              [("looked up / s", f"sum(rate(conveyor_prefix_cache_queries_total[{RATE}]))"),
+               ("found / s", f"sum(rate(conveyor_prefix_cache_hits_total[{RATE}]))"),
+               ("cached blocks", "sum(conveyor_prefix_cache_blocks)")]),
         panel("Prefill and decode time", quantiles("conveyor_prefill_time_seconds", qs=(0.5, 0.9))
               + [(f"decode {legend}", expr) for legend, expr in quantiles("conveyor_decode_time_seconds", qs=(0.5, 0.9))],
               "s"),

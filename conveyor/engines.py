@@ -1,0 +1,286 @@
+"""Engines: a scheduler and the worker it drives. Several run behind the frontends; Redis says which
+exist, how loaded each is, and which holds each request.
+
+Layout (under the same prefix as ``conveyor.state``):
+
+``{prefix}:engines`` set
+    Names of the engines that registered (a dead one leaves once its requests moved elsewhere).
+``{prefix}:engine:{name}`` hash
+    ``address`` (its scheduler, as the other processes reach it), ``model``, ``running``, ``waiting``,
+    ``kv_usage`` (0 to 1), ``serving`` (``1`` while its worker and Redis answer). The scheduler
+    rewrites it every ``ttl / 6`` seconds and it expires after ``ttl``: an engine is live while its
+    hash exists. That expiry is also the engine's **lease** on its requests: a scheduler writes a
+    step only while its last refresh is recent enough (``Lease``), and once the hash expired, another
+    engine may take them over.
+``{prefix}:route:{key}`` string
+    The engine that last took a prompt starting with the prefix ``key`` names (the chained hash of
+    ``ROUTE_BLOCK``-token blocks, as the prefix cache keys blocks); expires after ``ROUTE_TTL``.
+A request's hash has ``engine``: the engine that holds it. The frontend sets it when it creates the
+request; it changes only by compare-and-set (``reassign``, ``claim``), so one engine holds a
+request at a time.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from conveyor.errors import Unavailable
+from conveyor.prefix import chain, root_key
+from conveyor.state import RequestStore
+
+ROUTE_BLOCK = 16  # tokens per routing block (the default KV block size)
+ROUTE_MAX_BLOCKS = 256  # a prompt's first 4,096 tokens decide its route
+ROUTE_TTL = 600.0  # seconds a route entry lives without being taken again
+
+
+@dataclass
+class EngineInfo:
+    name: str
+    address: str
+    model: str = ""
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    serving: bool = True
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting
+
+    def to_hash(self) -> dict[str, str]:
+        return {"address": self.address, "model": self.model, "running": str(self.running),
+                "waiting": str(self.waiting), "kv_usage": f"{self.kv_usage:.4f}", "serving": "1" if self.serving else "0"}
+
+    @classmethod
+    def from_hash(cls, name: str, raw: dict[bytes, bytes]) -> EngineInfo:
+        get = lambda key, default="": raw.get(key.encode(), default.encode()).decode()  # noqa: E731
+        return cls(name, get("address"), get("model"), int(get("running", "0")), int(get("waiting", "0")),
+                   float(get("kv_usage", "0")), get("serving", "1") == "1")
+
+
+# KEYS: the engine's hash, the engine set; ARGV: ttl ms, name, then the hash's fields and values.
+# Returns whether the hash existed before (0: a first registration, or the lease had lapsed).
+_HEARTBEAT = """
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+return existed
+"""
+# KEYS: a request's hash; ARGV: the engine it must have, the engine to give it.
+_REASSIGN = """
+if redis.call('HGET', KEYS[1], 'engine') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'status') == 'finished' then return 0 end
+redis.call('HSET', KEYS[1], 'engine', ARGV[2])
+return 1
+"""
+# KEYS: the in-flight set, the dead engine's hash, the engine set; ARGV: request key prefix, dead, taker.
+# Moves every unfinished request of a dead engine to the taker; returns their keys.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return {} end
+local moved = {}
+for _, key in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local hash = ARGV[1] .. key
+  if redis.call('HGET', hash, 'engine') == ARGV[2] and redis.call('HGET', hash, 'status') ~= 'finished' then
+    redis.call('HSET', hash, 'engine', ARGV[3])
+    moved[#moved + 1] = key
+  end
+end
+redis.call('SREM', KEYS[3], ARGV[2])
+return moved
+"""
+
+
+class Registry:
+    """The engines in Redis (thread-safe, like the store)."""
+
+    def __init__(self, store: RequestStore):
+        self.store = store
+        self.redis = store.redis
+        self.prefix = store.prefix
+
+    @property
+    def set_key(self) -> str:
+        return f"{self.prefix}:engines"
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}:engine:{name}"
+
+    def heartbeat(self, info: EngineInfo, ttl: float) -> bool:
+        """Register or refresh an engine; False when its hash did not exist (first time, or a lapsed lease)."""
+        fields = [x for pair in info.to_hash().items() for x in pair]
+        return bool(self.redis.eval(_HEARTBEAT, 2, self.key(info.name), self.set_key, int(ttl * 1000), info.name,
+                                    *fields))
+
+    def leave(self, name: str) -> None:
+        """An engine that stops cleanly: gone at once (its requests are taken over without waiting out the lease)."""
+        self.redis.delete(self.key(name))
+
+    def names(self) -> list[str]:
+        return sorted(n.decode() for n in self.redis.smembers(self.set_key))
+
+    def live(self) -> list[EngineInfo]:
+        names = self.names()
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(self.key(name))
+        return [EngineInfo.from_hash(name, raw) for name, raw in zip(names, pipe.execute()) if raw]
+
+    def dead(self) -> list[str]:
+        """Registered engines whose lease expired and whose requests were not yet taken over."""
+        names = self.names()
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self.key(name))
+        return [name for name, alive in zip(names, pipe.execute()) if not alive]
+
+    def claim(self, dead: str, taker: str) -> list[str]:
+        """Move every unfinished request of ``dead`` (its lease expired) to ``taker``; returns their keys.
+        Atomic: of several engines claiming at once, one gets them."""
+        keys = [self.store.inflight_key, self.key(dead), self.set_key]
+        moved = self.redis.eval(_CLAIM, len(keys), *keys, f"{self.prefix}:req:", dead, taker)
+        return [k.decode() for k in moved]
+
+    def engine_of(self, request_id: str) -> str | None:
+        name = self.redis.hget(self.store.key(request_id), "engine")
+        return name.decode() if name is not None else None
+
+    def engines_of(self, request_ids: list[str]) -> list[str | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hget(self.store.key(request_id), "engine")
+        return [v.decode() if v is not None else None for v in pipe.execute()]
+
+    def reassign(self, request_id: str, old: str, new: str) -> bool:
+        """Give an unfinished request held by ``old`` to ``new``, only if ``old`` still holds it."""
+        return bool(self.redis.eval(_REASSIGN, 1, self.store.key(request_id), old, new))
+
+
+class Lease:
+    """An engine's right to write its requests' steps: valid for ``ttl`` after a refresh was sent, less a
+    margin for the write's own trip to Redis (another engine takes the requests over only after the hash
+    expired, which is at least ``ttl`` after the refresh was sent)."""
+
+    MARGIN = 0.25  # of the ttl
+
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        self.sent_at: float | None = None  # monotonic time the last successful refresh was sent
+
+    def refreshed(self, sent_at: float) -> None:
+        self.sent_at = sent_at
+
+    def fresh(self) -> bool:
+        return self.sent_at is not None and time.monotonic() < self.sent_at + self.ttl * (1 - self.MARGIN)
+
+
+# ---------------------------------------------------------------- routing
+
+
+def route_keys(prompt_ids: list[int], model: str = "") -> list[str]:
+    """Keys of a prompt's full routing blocks (the last token left out, as the prefix cache does)."""
+    keys, key = [], root_key(model)
+    for i in range(min((len(prompt_ids) - 1) // ROUTE_BLOCK, ROUTE_MAX_BLOCKS)):
+        key = chain(key, prompt_ids[i * ROUTE_BLOCK : (i + 1) * ROUTE_BLOCK])
+        keys.append(key.hex())
+    return keys
+
+
+@dataclass
+class Route:
+    engine: EngineInfo
+    reason: str  # "prefix" (an engine has its prefix), "balance" (the least loaded) or "only"
+    matched_blocks: int = 0
+
+
+class Router:
+    """Picks an engine for a new request: the one that last took the longest prefix of its prompt (its
+    prefix cache likely holds it), unless that engine is overloaded next to the least loaded one; else
+    the least loaded. Loads come from the engines' heartbeats plus what this router sent since."""
+
+    def __init__(self, registry: Registry, refresh: float = 0.25, imbalance: float = 2.0, slack: int = 8):
+        """Prefix affinity holds while the matched engine's load <= ``imbalance`` x the least loaded's + ``slack``."""
+        self.registry = registry
+        self.refresh = refresh
+        self.imbalance, self.slack = imbalance, slack
+        self._engines: list[EngineInfo] = []
+        self._read_at = 0.0
+        self._sent: dict[str, int] = {}  # requests routed to each engine since its load was read
+
+    def engines(self) -> list[EngineInfo]:
+        """Live, serving engines (re-read from Redis at most every ``refresh`` seconds)."""
+        now = time.monotonic()
+        if now - self._read_at > self.refresh:
+            self._engines = [e for e in self.registry.live() if e.serving]
+            self._read_at, self._sent = now, {}
+        return self._engines
+
+    def forget(self, name: str) -> None:
+        """An engine did not answer: leave it out until the registry is read again."""
+        self._engines = [e for e in self._engines if e.name != name]
+
+    def choose(self, prompt_ids: list[int], model: str = "", exclude: str | None = None) -> Route | None:
+        engines = [e for e in self.engines() if e.name != exclude]
+        if not engines:
+            return None
+        load = {e.name: e.load + self._sent.get(e.name, 0) for e in engines}
+        least = min(engines, key=lambda e: (load[e.name], random.random()))
+        keys = route_keys(prompt_ids, model) if len(engines) > 1 else []
+        route = Route(least, "balance" if len(engines) > 1 else "only")
+        if keys:
+            owners = self.registry.redis.mget([f"{self.registry.prefix}:route:{k}" for k in keys])
+            by_name = {e.name: e for e in engines}
+            for i in range(len(owners) - 1, -1, -1):  # the longest prefix an engine still live took
+                owner = owners[i].decode() if owners[i] is not None else None
+                if owner in by_name:
+                    matched = by_name[owner]
+                    if load[matched.name] <= self.imbalance * load[least.name] + self.slack:
+                        route = Route(matched, "prefix", i + 1)
+                    break
+            pipe = self.registry.redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.set(f"{self.registry.prefix}:route:{k}", route.engine.name, px=int(ROUTE_TTL * 1000))
+            pipe.execute()
+        self._sent[route.engine.name] = self._sent.get(route.engine.name, 0) + 1
+        return route
+
+
+# ---------------------------------------------------------------- reaching an engine's scheduler
+
+
+class Schedulers:
+    """The schedulers' gRPC stubs by engine name, from the registry (addresses re-read at most every
+    ``refresh`` seconds; channels kept per address)."""
+
+    def __init__(self, registry: Registry, refresh: float = 0.5):
+        self.registry = registry
+        self.refresh = refresh
+        self._addresses: dict[str, str] = {}
+        self._read_at = 0.0
+        self._stubs: dict[str, object] = {}
+
+    def _address(self, name: str) -> str | None:
+        now = time.monotonic()
+        if name not in self._addresses or now - self._read_at > self.refresh:
+            self._addresses = {e.name: e.address for e in self.registry.live()}
+            self._read_at = now
+        return self._addresses.get(name)
+
+    def stub(self, name: str):
+        """The scheduler of engine ``name``; raises ``Unavailable`` while it is not registered."""
+        from conveyor import grpc_util  # noqa: PLC0415 - grpc only where a process talks to schedulers
+        from conveyor.v1 import scheduler_pb2_grpc  # noqa: PLC0415
+
+        address = self._address(name)
+        if address is None:
+            raise Unavailable(f"engine {name!r} is not registered (it is down, or restarting)")
+        if address not in self._stubs:
+            self._stubs[address] = scheduler_pb2_grpc.SchedulerStub(grpc_util.internal_channel(address))
+        return self._stubs[address]
+
+    def of_request(self, request_id: str) -> tuple[str, object] | None:
+        """(engine name, scheduler stub) of the engine holding a request; None when it has no record."""
+        name = self.registry.engine_of(request_id)
+        return None if name is None else (name, self.stub(name))

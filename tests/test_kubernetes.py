@@ -1,0 +1,130 @@
+"""The Kubernetes manifests (``deploy/kubernetes``): what can be proven without a cluster. Each overlay renders
+with ``kubectl kustomize``; every object validates against the Kubernetes API schemas (offline, the PyPI
+package ``kubernetes-validate``); every Conveyor container's command parses with the real CLI, and its
+ports, probes, peers, scrape annotations and secrets agree with it and with each other, as the compose
+test does for ``docker-compose.yml``."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+from helpers import ROOT
+
+from conveyor.cli import build_parser
+
+K8S = ROOT / "deploy" / "kubernetes"
+KUBERNETES_VERSION = "1.32.0"
+SERVICE_OF = {"frontend": "conveyor.v1.Conveyor", "scheduler": "conveyor.v1.Scheduler", "worker": "conveyor.v1.Worker",
+              "detokenizer": "conveyor.v1.Detokenizer"}
+POD_ENV = {"$(POD_NAME)": "engine-0", "$(POD_IP)": "10.0.0.7"}  # what Kubernetes substitutes
+
+
+def render(overlay: str) -> list[dict]:
+    done = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def objects(request) -> list[dict]:
+    return render(request.param)
+
+
+def _by_kind(objects, kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def _pods(objects):
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield o, o["spec"]["template"]
+
+
+def _conveyor_containers(objects):
+    """(workload, pod template, container, parsed args) of every container running the Conveyor image."""
+    parser = build_parser()
+    for workload, pod in _pods(objects):
+        for c in pod["spec"]["containers"]:
+            if c["image"].split(":")[0] == "conveyor":
+                args = [POD_ENV.get(a, a).replace("$(POD_IP)", POD_ENV["$(POD_IP)"]) for a in c["args"]]
+                yield workload, pod, c, parser.parse_args(args)
+
+
+def test_every_object_validates_against_the_kubernetes_schemas(objects):
+    kinds = sorted({o["kind"] for o in objects})
+    assert {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "ConfigMap", "NetworkPolicy"} <= set(kinds)
+    for o in objects:
+        kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)  # raises on any unknown or wrong field
+
+
+def test_commands_ports_and_probes_match_the_cli(objects):
+    services = _by_kind(objects, "Service")
+    seen = set()
+    for workload, pod, c, args in _conveyor_containers(objects):
+        seen.add(args.service)
+        ports = {p["containerPort"]: p["name"] for p in c["ports"]}
+        assert args.port in ports and args.metrics_port in ports, c["name"]
+        assert args.host == "0.0.0.0" and args.metrics_host == "0.0.0.0"  # the kubelet probes the pod IP
+        for probe in ("readinessProbe", "livenessProbe"):
+            grpc = c[probe]["grpc"]
+            assert grpc["port"] in ports, (c["name"], probe)
+            expected = "conveyor.v1.Frontend" if (args.service, probe) == ("frontend", "livenessProbe") else SERVICE_OF[args.service]
+            assert grpc["service"] == expected, (c["name"], probe)
+            assert grpc["port"] == (args.internal_port if expected == "conveyor.v1.Frontend" else args.port)
+        annotations = pod["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        metrics_ports = {a.metrics_port for _, p, _, a in _conveyor_containers([workload]) if p is pod}
+        assert int(annotations["prometheus.io/port"]) in metrics_ports
+        env = {e["name"]: e for e in c.get("env", [])}
+        if args.service != "worker":  # Redis: the URL from the Secret's password, never on the command line
+            url = env[f"CONVEYOR_{args.service.upper()}_REDIS_URL"]["value"]
+            assert url == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
+            assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "conveyor-secrets", "key": "redis-password"}
+            assert not any("redis://" in a for a in c["args"])
+        if args.service == "scheduler":
+            worker = next(a for _, p, _, a in _conveyor_containers([workload]) if p is pod and a.service == "worker")
+            assert args.worker == f"127.0.0.1:{worker.port}"  # its own worker, in the same pod
+            assert args.engine == POD_ENV["$(POD_NAME)"] and args.advertise == f"{POD_ENV['$(POD_IP)']}:{args.port}"
+            assert workload["kind"] == "StatefulSet"  # stable names: a restarted engine takes back its requests
+        if args.service in ("scheduler", "frontend"):
+            host, port = args.detokenizer.split(":")
+            assert {p["port"] for p in services[host]["spec"]["ports"]} == {int(port)}
+        if args.service == "frontend":
+            assert args.advertise == f"{POD_ENV['$(POD_IP)']}:{args.internal_port}"
+            public = {p["port"] for p in services["frontend"]["spec"]["ports"]}
+            assert public == {args.port, args.http_port}
+            assert env["CONVEYOR_FRONTEND_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "conveyor-secrets"
+    assert seen == set(SERVICE_OF)
+
+
+def test_frontends_autoscale_and_redis_keeps_an_append_only_file_on_a_volume(objects):
+    (hpa,) = _by_kind(objects, "HorizontalPodAutoscaler").values()
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "frontend"}
+    frontend = _by_kind(objects, "Deployment")["frontend"]["spec"]["template"]["spec"]["containers"][0]
+    assert "cpu" in frontend["resources"]["requests"]  # the HPA's utilization needs a request
+    redis = _by_kind(objects, "StatefulSet")["redis"]
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--dir") + 1] == "/data"
+    assert [v["metadata"]["name"] for v in redis["spec"]["volumeClaimTemplates"]] == ["data"]
+    assert not any("requirepass" in a for a in args)  # the password comes from the Secret, through a file
+
+
+def test_the_dashboards_config_map_is_the_shipped_dashboards(objects):
+    maps = _by_kind(objects, "ConfigMap")
+    dashboards = maps["conveyor-dashboards"]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = {p.name: json.loads(p.read_text()) for p in (ROOT / "deploy" / "grafana" / "dashboards").glob("*.json")}
+    assert {name: json.loads(text) for name, text in dashboards["data"].items()} == shipped
+
+
+def test_the_gpu_overlay_gives_each_engine_a_gpu_and_the_cpu_one_none():
+    for overlay, device in (("cpu", "cpu"), ("gpu", "cuda")):
+        engine = _by_kind(render(overlay), "StatefulSet")["engine"]
+        worker = next(c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
+        assert shlex.join(worker["args"]).count(f"--device {device}") == 1
+        assert ("nvidia.com/gpu" in worker["resources"].get("limits", {})) == (overlay == "gpu")
