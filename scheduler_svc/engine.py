@@ -384,6 +384,8 @@ class Engine:
         while self.lease is not None and not self.lease.fresh() and not self._stopped:
             if waited % 100 == 0:
                 log.warning("this engine's lease in Redis is not fresh; steps wait for the heartbeat")
+            if waited == 50:  # a second without a heartbeat getting through: Redis is out of reach
+                self._set_health(redis_up=False)
             time.sleep(0.02)
             waited += 1
 

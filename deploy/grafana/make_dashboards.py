@@ -1,4 +1,5 @@
-"""Writes the Grafana dashboards in deploy/grafana/dashboards/ (``python deploy/grafana/make_dashboards.py``).
+"""Writes the Grafana dashboards in deploy/grafana/dashboards/ and their copy for the Kubernetes ConfigMap in
+deploy/kubernetes/base/dashboards/ (``python deploy/grafana/make_dashboards.py``).
 
 The JSON is generated so that every panel is built the same way and only names from
 ``conveyor/metrics.py`` appear; ``tests/test_observability.py`` checks the files are up to date and
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "dashboards"
+KUBERNETES_COPY = Path(__file__).resolve().parent.parent / "kubernetes" / "base" / "dashboards"  # kustomize reads only below its root
 RATE = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 
@@ -63,13 +65,19 @@ def overview() -> dict:
               f"sum by (route, status) (rate(conveyor_http_requests_total[{RATE}]))")], "reqps"),
         panel("HTTP API latency (to the headers)", quantiles("conveyor_http_request_seconds", by="route",
                                                              qs=(0.5, 0.99)), "s"),
+        panel("Engines up (live and serving)", [("{{engine}}", "max by (engine) (conveyor_engine_up)")]),
+        panel("Requests routed to engines / s", [("{{engine}} {{reason}}",
+              f"sum by (engine, reason) (rate(conveyor_engine_routes_total[{RATE}]))")], "reqps"),
     ])
 
 
 def scheduler() -> dict:
     return dashboard("conveyor-scheduler", "Conveyor / Scheduler", [
-        panel("Requests running and waiting", [("running", "sum(conveyor_requests_running)"),
-                                               ("waiting", "sum(conveyor_requests_waiting)")]),
+        panel("Requests running and waiting, per engine", [
+            ("running {{instance}}", "sum by (instance) (conveyor_requests_running)"),
+            ("waiting {{instance}}", "sum by (instance) (conveyor_requests_waiting)")]),
+        panel("Requests taken over from dead engines", [
+            ("{{instance}}", f"sum by (instance) (increase(conveyor_engine_takeovers_total[{RATE}]))")]),
         panel("KV cache usage", [("used / total", "max(conveyor_kv_cache_usage_ratio)")], "percentunit"),
         panel("KV blocks", [("used", "sum(conveyor_kv_blocks_used)"), ("total", "sum(conveyor_kv_blocks_total)")]),
         panel("Preemptions and aborts / s", [("preemptions", f"sum(rate(conveyor_preemptions_total[{RATE}]))"),
@@ -124,7 +132,8 @@ def render() -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name, text in render().items():
-        (OUT / name).write_text(text)
-        print(OUT / name)
+    for folder in (OUT, KUBERNETES_COPY):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in render().items():
+            (folder / name).write_text(text)
+            print(folder / name)
