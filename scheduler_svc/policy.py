@@ -336,6 +336,7 @@ class Scheduler:
         self.waiting.remove(request)
         request.status = Status.RUNNING
         request.num_computed = cached
+        request.full_blocks = len(hits)
         self.admitted.append(request)
         insort(self.running, request, key=_rank)
         return self._chunk(request, n, registers=True)
@@ -353,7 +354,10 @@ class Scheduler:
                           cached_ids=request.tokens(0, start) if registers and start else [])
         request.num_computed = start + n
         request.samples_in_flight += chunk.sample
-        self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens))
+        full = min(request.num_computed, request.num_tokens) // self.blocks.block_size  # in-flight tokens: no key yet
+        if full > request.full_blocks:  # a block filled up: key it for the prefix cache
+            self.blocks.fill(request.request_id, request.tokens, full * self.blocks.block_size)
+            request.full_blocks = full
         return chunk
 
     def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None) -> list[Output]:
