@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import hf_logits, make_runner
+from helpers import ROOT, hf_logits, make_runner
 from tokenizers import Tokenizer, models
 
 from conveyor.model_files import ModelFileError
@@ -109,6 +109,62 @@ def test_tiny_hf_folder_matches_transformers(tmp_path, build, kernels):
     ids = torch.randint(0, reference.config.vocab_size, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     expected = hf_logits(reference, ids)
     torch.testing.assert_close(_score(ours, ids, block_size=4), expected, atol=1e-4, rtol=1e-4)
+
+
+_PEAK_HOST_MEMORY = """
+import sys, threading, time
+import torch
+from worker_svc.loader import load_model
+
+def anon() -> int:  # private memory of this process (file-backed mmaps of the checkpoint excluded)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+torch.cat([torch.empty(2, 2, device="meta")] * 2)  # meta ops import torch's decompositions: before the baseline
+peak, done = [anon()], threading.Event()
+base = peak[0]
+def sample() -> None:
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.0005)
+threading.Thread(target=sample, daemon=True).start()
+loaded = load_model(sys.argv[1], device=sys.argv[2], dtype=getattr(torch, sys.argv[3]))
+done.set()
+time.sleep(0.01)
+print(peak[0] - base, sum(p.numel() for p in loaded.model.parameters()))
+"""
+
+
+def test_a_hf_folder_streams_onto_its_device_with_no_host_copy_of_the_model(tmp_path):
+    """Loaded onto the ``meta`` device (which keeps no data, as a GPU keeps it off the host), a ~120 MB bf16
+    checkpoint never has more than a few tensors in host memory at once; onto the CPU in fp32, the measure
+    sees all of it (twice the file)."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=16,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    _word_tokenizer(tmp_path, cfg.vocab_size)
+    size = sum(p.numel() * 2 for p in model.parameters())
+    del model
+    grew = {}
+    for device, dtype in (("meta", "bfloat16"), ("cpu", "float32")):
+        # every large allocation its own mapping, returned when freed: RSS then follows live tensors, not what
+        # malloc keeps for reuse (glibc raises its mmap threshold after the first frees otherwise)
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        done = subprocess.run([sys.executable, "-c", _PEAK_HOST_MEMORY, str(tmp_path), device, dtype], capture_output=True,
+                              text=True, cwd=ROOT, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        peak, params = map(int, done.stdout.split())
+        assert params * 2 == size
+        grew[device] = peak
+    assert grew["meta"] < 0.2 * size, f"host memory grew by {grew['meta'] / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB model"
+    assert grew["cpu"] > 0.9 * 2 * size  # the measure sees a model that does land in host memory
 
 
 def test_hf_folder_with_unknown_architecture_is_a_clear_error(tmp_path):

@@ -8,6 +8,7 @@ next start of any process takes well under a second instead of seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conveyor.cache import cache_dir_for, write_atomic
@@ -67,7 +69,10 @@ def load_model(
     source = resolve_model(path)
     device = torch.device(device)
     packed = _use_packed(cpu_kernels, source, device, dtype)
-    config, state = gguf_weights(source.path, packed) if source.kind == "gguf" else hf_weights(source.path)
+    if source.kind == "gguf":
+        config, state = gguf_weights(source.path, packed)
+    else:  # straight to the device in the run dtype (fp32 norms and all: as the GGUF path, then model.to)
+        config, state = hf_weights(source.path, device, dtype)
     limit = config.max_position_embeddings if max_model_len is None else max_model_len
     if limit > config.max_position_embeddings:
         raise ModelFileError(
@@ -176,30 +181,44 @@ _HF_LINEARS = {
 _HF_COPIED = ("input_layernorm.weight", "post_attention_layernorm.weight")
 
 
-def hf_weights(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def hf_weights(folder: Path, device: torch.device | str = "cpu",
+               dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The folder's config and our state dict, on ``device`` in ``dtype`` (None: as stored).
+
+    Streamed: each tensor is read from its memory-mapped file, converted and moved on its own, and a
+    layer's q/k/v (gate/up) are fused where they land. Host memory holds a tensor or two at a time,
+    never the model: an 8B-parameter checkpoint goes onto a GPU in bf16 with no full copy on the host."""
     config = hf_config(json.loads((folder / "config.json").read_text()))
-    raw: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        raw.update(load_file(file))
-    raw = {k.removeprefix("model."): v for k, v in raw.items()}
+    device = torch.device(device)
+    with contextlib.ExitStack() as files:
+        where = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            handle = files.enter_context(safe_open(file, framework="pt"))
+            where.update({key.removeprefix("model."): (handle, key) for key in handle.keys()})
 
-    def need(name: str) -> torch.Tensor:
-        if name not in raw:
-            raise ModelFileError(f"{folder}: missing weight {name}")
-        return raw[name]
+        def need(name: str) -> torch.Tensor:
+            if name not in where:
+                raise ModelFileError(f"{folder}: missing weight {name}")
+            handle, key = where[name]
+            tensor = handle.get_tensor(key)
+            return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
-    state = {}
-    for i in range(config.num_layers):
-        for target, sources in _HF_LINEARS.items():
-            state[f"layers.{i}.{target}.weight"] = torch.cat([need(f"layers.{i}.{s}.weight") for s in sources])
-            if config.attention_bias and f"layers.{i}.{sources[0]}.bias" in raw:
-                state[f"layers.{i}.{target}.bias"] = torch.cat([need(f"layers.{i}.{s}.bias") for s in sources])
-        for name in _HF_COPIED:
-            state[f"layers.{i}.{name}"] = need(f"layers.{i}.{name}")
-    state["embed_tokens.weight"] = need("embed_tokens.weight")
-    state["norm.weight"] = need("norm.weight")
-    if not config.tie_word_embeddings:
-        state["lm_head.weight"] = need("lm_head.weight")
+        def fused(names: list[str]) -> torch.Tensor:
+            parts = [need(n) for n in names]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        state = {}
+        for i in range(config.num_layers):
+            for target, sources in _HF_LINEARS.items():
+                state[f"layers.{i}.{target}.weight"] = fused([f"layers.{i}.{s}.weight" for s in sources])
+                if config.attention_bias and f"layers.{i}.{sources[0]}.bias" in where:
+                    state[f"layers.{i}.{target}.bias"] = fused([f"layers.{i}.{s}.bias" for s in sources])
+            for name in _HF_COPIED:
+                state[f"layers.{i}.{name}"] = need(f"layers.{i}.{name}")
+        state["embed_tokens.weight"] = need("embed_tokens.weight")
+        state["norm.weight"] = need("norm.weight")
+        if not config.tie_word_embeddings:
+            state["lm_head.weight"] = need("lm_head.weight")
     return config, state
 
 
