@@ -6,6 +6,7 @@ import subprocess
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import conveyor_command, free_port, make_runner, spawn, stop, wait_serving
@@ -161,7 +162,7 @@ def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default
     [
         (["--block-size", "0"], "--block-size must be in [1, 1024]"),
         (["--model", "/nonexistent/model.gguf"], "no such file or folder"),
-        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction must be in (0, 1]"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_them(args, message):
@@ -202,3 +203,22 @@ def test_step_stream_runs_queued_steps_in_order(stub, default_model):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown sequence" in err.value.details()
     requests.put(None)
     stub.Step(pb.StepRequest(free_seq_ids=["st"]))
+
+
+def test_the_gpu_kv_budget_follows_vllms_memory_utilization():
+    from worker_svc.kv_cache import GpuMemory, gpu_kv_budget
+
+    gib = 2**30
+    alone = GpuMemory(total=80 * gib, free=60 * gib, peak=18 * gib, current=16 * gib)  # 16 GiB weights + 2 of activations
+    assert gpu_kv_budget(alone, 0.9) == int(80 * gib * 0.9) - 18 * gib  # 54 GiB
+    crowded = GpuMemory(total=80 * gib, free=10 * gib, peak=18 * gib, current=16 * gib)  # another process holds 52 GiB
+    assert gpu_kv_budget(crowded, 0.9) == 8 * gib  # what is free, less the activations' headroom
+    assert gpu_kv_budget(alone, 0.2) == 0  # the weights alone exceed 20 %: the worker refuses to start
+
+
+def test_the_profile_step_runs_a_whole_step_in_a_scratch_cache(dense_model):
+    """The GPU's profile step is the worker's own step code; here it runs on the CPU (its CUDA figures are 0)."""
+    from worker_svc.kv_cache import GpuMemory
+    from worker_svc.server import profile_step
+
+    assert profile_step(dense_model, 16, 200, torch.device("cpu"), torch.float32) == GpuMemory(0, 0, 0, 0)

@@ -19,7 +19,11 @@ class WorkerConfig:
     dtype: str = setting("auto", "compute dtype; auto is bfloat16 on cuda and float32 on cpu", choices=DTYPES)
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_bytes: int | None = setting(None, "KV cache budget, e.g. 512M or 4G (default: a share of free memory)", parse=parse_size)
-    gpu_memory_fraction: float = setting(0.85, "share of free GPU memory the KV cache takes when --kv-cache-bytes is unset")
+    gpu_memory_utilization: float = setting(
+        0.9, "share of the GPU's total memory this worker may use (as vLLM's): weights and the activations of a "
+        "profile step of --profile-tokens tokens first, the KV cache the rest, when --kv-cache-bytes is unset")
+    profile_tokens: int = setting(8192, "tokens of the profile step that measures a GPU's activation memory (the "
+                                        "scheduler's --max-num-batched-tokens on a GPU)")
     max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens (default: the model's)")
     cpu_kernels: str = setting(
         "auto", "on the CPU: keep GGUF Q4_0/Q4_1/Q8_0 weights quantized and run the C kernels (auto: when the "
@@ -50,7 +54,8 @@ class WorkerConfig:
         require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
         require(1 <= self.block_size <= 1024, "block_size", f"must be in [1, 1024], got {self.block_size}")
         require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
-        require(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction", "must be in (0, 1]")
+        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        require(self.profile_tokens >= 1, "profile_tokens", "must be >= 1")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         require(self.small_step_threads >= -1, "small_step_threads", f"must be >= -1, got {self.small_step_threads}")

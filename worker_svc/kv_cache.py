@@ -29,13 +29,34 @@ def available_cpu_bytes() -> int:
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def kv_budget_bytes(device: torch.device, kv_cache_bytes: int | None, gpu_memory_fraction: float) -> int:
-    """How many bytes the cache may take: the explicit budget, else a share of what is free."""
+@dataclass(frozen=True)
+class GpuMemory:
+    """What a GPU holds once the weights are loaded and a profile step of the largest batch has run."""
+
+    total: int  # the device's memory
+    free: int  # free now (other processes and this one's CUDA context already taken)
+    peak: int  # the most PyTorch held at once during the profile step: weights plus activations
+    current: int  # what PyTorch holds now (the weights)
+
+
+def gpu_kv_budget(memory: GpuMemory, utilization: float) -> int:
+    """vLLM's ``--gpu-memory-utilization``: this worker may use ``utilization`` of the device's total memory;
+    the KV cache gets what the peak of a step (weights and activations) leaves of it, and never more than
+    is free with the activations' headroom kept."""
+    headroom = memory.peak - memory.current  # the activations of the largest step, allocated again every step
+    return max(0, min(int(memory.total * utilization) - memory.peak, memory.free - headroom))
+
+
+def kv_budget_bytes(device: torch.device, kv_cache_bytes: int | None, gpu_memory_utilization: float,
+                    memory: GpuMemory | None = None) -> int:
+    """How many bytes the cache may take: the explicit budget; on a GPU the share ``gpu_kv_budget`` gives
+    (``memory``: measured after the profile step); on a CPU a quarter of the available RAM up to 2 GiB."""
     if kv_cache_bytes is not None:
         return kv_cache_bytes
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * gpu_memory_fraction)
+        if memory is None:
+            raise ValueError("a GPU's KV budget needs its memory measured after a profile step")
+        return gpu_kv_budget(memory, gpu_memory_utilization)
     return min(CPU_DEFAULT_CAP, int(available_cpu_bytes() * CPU_DEFAULT_FRACTION))
 
 

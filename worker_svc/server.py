@@ -19,7 +19,7 @@ from conveyor.metrics import Metrics
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
 from conveyor.wire import FAILED_SEQ_METADATA
 from worker_svc.config import WorkerConfig
-from worker_svc.kv_cache import KVCache, bytes_per_block, kv_budget_bytes
+from worker_svc.kv_cache import GpuMemory, KVCache, bytes_per_block, kv_budget_bytes
 from worker_svc.loader import LoadedModel, load_model
 from worker_svc.runner import InvalidStep, ModelRunner, SeqChunk, StepInput, StepResult
 from worker_svc.sampling import SamplingParams
@@ -190,8 +190,15 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     loaded = load_model(cfg.model, device=device, dtype=dtype, max_model_len=cfg.max_model_len,
                         cpu_kernels=cfg.cpu_kernels, numerics=cfg.numerics)
     block_bytes = bytes_per_block(loaded.config, cfg.block_size, dtype)
-    num_blocks = kv_budget_bytes(device, cfg.kv_cache_bytes, cfg.gpu_memory_fraction) // block_bytes
+    memory = None
+    if device.type == "cuda" and cfg.kv_cache_bytes is None:
+        memory = profile_step(loaded, cfg.block_size, min(cfg.profile_tokens, loaded.max_model_len), device, dtype)
+    num_blocks = kv_budget_bytes(device, cfg.kv_cache_bytes, cfg.gpu_memory_utilization, memory) // block_bytes
     if num_blocks < 1:
+        if memory is not None:
+            raise ValueError(f"no GPU memory is left for the KV cache: --gpu-memory-utilization {cfg.gpu_memory_utilization} "
+                             f"of {memory.total / 2**30:.1f} GiB, the weights and a {cfg.profile_tokens}-token step "
+                             f"took {memory.peak / 2**30:.1f} GiB, {memory.free / 2**30:.1f} GiB free")
         raise ValueError(f"--kv-cache-bytes is smaller than one block ({block_bytes} bytes)")
     cache = KVCache.allocate(loaded.config, cfg.block_size, num_blocks, device, dtype)
     threads = cfg.threads or torch.get_num_threads()  # PyTorch's default: the cores this process may use
@@ -212,6 +219,31 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
         bos_token_id=loaded.tokenizer.bos_token_id,
     )
     return runner, loaded, info
+
+
+@torch.inference_mode()
+def profile_step(loaded: LoadedModel, block_size: int, tokens: int, device: torch.device,
+                 dtype: torch.dtype) -> GpuMemory:
+    """Run one step of a ``tokens``-token prompt (the largest step the scheduler sends) in a scratch cache,
+    sampling after it, and measure the memory it took. On a CPU it runs as well (the tests' check of this code); the figures are
+    PyTorch's CUDA statistics, zero there."""
+    num_blocks = -(-tokens // block_size)
+    scratch = KVCache.allocate(loaded.config, block_size, num_blocks, device, dtype)
+    runner = ModelRunner(loaded.model, scratch, loaded.max_model_len)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    ids = (torch.arange(tokens) % loaded.config.vocab_size).tolist()
+    runner.step(StepInput([SeqChunk("\0profile", ids, 0, list(range(num_blocks)), True, SamplingParams(), tokens)]))
+    if not cuda:
+        return GpuMemory(0, 0, 0, 0)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del runner, scratch
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return GpuMemory(total, free, peak, torch.cuda.memory_allocated(device))
 
 
 def serve(cfg: WorkerConfig) -> None:
