@@ -88,3 +88,42 @@ def test_the_router_keeps_a_prefix_on_its_engine_and_balances_the_rest(registry)
 def test_route_keys_cover_full_blocks_without_the_last_token():
     assert len(route_keys(list(range(32)))) == 1 and len(route_keys(list(range(33)))) == 2
     assert route_keys(list(range(40)))[:1] == route_keys(list(range(20)))  # chained: a shared head, one key
+
+
+def test_an_engine_whose_lease_lapsed_drops_what_another_took_and_keeps_the_rest(registry):
+    """A scheduler cut off from Redis for longer than its TTL (alive all along): another engine may take its
+    requests meanwhile. Its steps wait while the lease is stale; when its heartbeat gets through again it
+    drops exactly the requests that moved, and keeps the others."""
+    from conveyor.metrics import Metrics
+    from scheduler_svc.block_manager import BlockManager
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.policy import Scheduler
+    from scheduler_svc.server import Membership
+
+    taken, kept = _request(registry, "a"), _request(registry, "a")
+    engine = Engine(Scheduler(BlockManager(64, 16), 1024, 512, 8, 16), registry.store, transport=None,
+                    publish=lambda *a: None, eos_token_ids=(2,), name="a", lease=Lease(ttl=0.5))
+    membership = Membership(engine, registry, "127.0.0.1:1", "m", Metrics("scheduler"))
+    membership.beat()
+    assert engine.adopt([taken, kept]) == 2 and engine.lease.fresh()
+    time.sleep(0.6)  # no heartbeat: the registration expires
+    assert not engine.lease.fresh()  # steps wait from here on
+    registry.heartbeat(EngineInfo("b", "y"), ttl=30)
+    assert sorted(registry.claim("a", "b")) == sorted([taken, kept])
+    assert registry.reassign(kept, "b", "a")  # say b handed one back: only the other moved for good
+    membership.beat()  # the heartbeat gets through again
+    assert engine.held() == [kept] and engine.lease.fresh()
+    assert sorted(n.name for n in registry.live()) == ["a", "b"]
+
+
+def test_a_submit_for_a_request_another_engine_holds_is_refused(registry):
+    from conveyor.errors import Unavailable
+    from scheduler_svc.block_manager import BlockManager
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.policy import Scheduler
+
+    engine = Engine(Scheduler(BlockManager(64, 16), 1024, 512, 8, 16), registry.store, transport=None,
+                    publish=lambda *a: None, eos_token_ids=(2,), name="a")
+    with pytest.raises(Unavailable, match="held by engine 'b'"):
+        engine.submit(_request(registry, "b"))
+    assert engine.submit(_request(registry, "a")) == 1
