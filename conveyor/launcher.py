@@ -337,8 +337,9 @@ def run(cfg: UpConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     stack = start(cfg)
-    print(f"Conveyor is serving {cfg.model} at {stack.endpoint} (Redis {redact(stack.redis_url)}). Ctrl-C stops it.",
-          flush=True)
+    engines = f" on {cfg.engines} engines" if cfg.engines > 1 else ""
+    print(f"Conveyor is serving {cfg.model}{engines} at {stack.endpoint} (Redis {redact(stack.redis_url)}). "
+          "Ctrl-C stops it.", flush=True)
     print(f'  try: conveyor generate --target {stack.endpoint} "The capital of France is"', flush=True)
     if stack.http_endpoint:
         print(f"  or the OpenAI API: curl {stack.http_endpoint}/v1/completions -H 'Content-Type: application/json' "
