@@ -26,9 +26,11 @@ import random
 import time
 from dataclasses import dataclass
 
+from conveyor import grpc_util
 from conveyor.errors import Unavailable
 from conveyor.prefix import chain, root_key
 from conveyor.state import RequestStore
+from conveyor.v1 import scheduler_pb2_grpc
 
 ROUTE_BLOCK = 16  # tokens per routing block (the default KV block size)
 ROUTE_MAX_BLOCKS = 256  # a prompt's first 4,096 tokens decide its route
@@ -259,7 +261,7 @@ class Schedulers:
         self.refresh = refresh
         self._addresses: dict[str, str] = {}
         self._read_at = 0.0
-        self._stubs: dict[str, object] = {}
+        self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
 
     def _address(self, name: str) -> str | None:
         now = time.monotonic()
@@ -268,11 +270,8 @@ class Schedulers:
             self._read_at = now
         return self._addresses.get(name)
 
-    def stub(self, name: str):
+    def stub(self, name: str) -> scheduler_pb2_grpc.SchedulerStub:
         """The scheduler of engine ``name``; raises ``Unavailable`` while it is not registered."""
-        from conveyor import grpc_util  # noqa: PLC0415 - grpc only where a process talks to schedulers
-        from conveyor.v1 import scheduler_pb2_grpc  # noqa: PLC0415
-
         address = self._address(name)
         if address is None:
             raise Unavailable(f"engine {name!r} is not registered (it is down, or restarting)")
@@ -280,7 +279,7 @@ class Schedulers:
             self._stubs[address] = scheduler_pb2_grpc.SchedulerStub(grpc_util.internal_channel(address))
         return self._stubs[address]
 
-    def of_request(self, request_id: str) -> tuple[str, object] | None:
+    def of_request(self, request_id: str) -> tuple[str, scheduler_pb2_grpc.SchedulerStub] | None:
         """(engine name, scheduler stub) of the engine holding a request; None when it has no record."""
         name = self.registry.engine_of(request_id)
         return None if name is None else (name, self.stub(name))

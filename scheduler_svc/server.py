@@ -14,7 +14,7 @@ import time
 import grpc
 
 from conveyor import grpc_util
-from conveyor.engines import EngineInfo, Lease, Registry
+from conveyor.engines import Lease, Registry
 from conveyor.errors import Unavailable
 from conveyor.metrics import Metrics
 from conveyor.state import RequestStore
@@ -25,6 +25,7 @@ from conveyor.prefix import root_key
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, StepFailed
+from scheduler_svc.membership import Membership
 from scheduler_svc.policy import Output, Scheduler, StepPlan
 from scheduler_svc.request import Request, Status
 
@@ -226,74 +227,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 prefix_cache_queries=s.blocks.stats.queries, prefix_cache_hits=s.blocks.stats.hits,
                 cached_blocks=s.blocks.num_cached,
             )
-
-
-class Membership:
-    """Keeps this engine registered in Redis (its lease on its requests, ``conveyor.engines``) and takes
-    over the requests of engines whose lease expired. Runs on a thread of its own."""
-
-    def __init__(self, engine: Engine, registry: Registry, address: str, model: str, metrics: Metrics):
-        self.engine, self.registry, self.metrics = engine, registry, metrics
-        self.address, self.model = address, model
-        self.lease = engine.lease
-        self.ttl = self.lease.ttl
-        self._registered = False
-        self._stop = threading.Event()
-
-    def info(self) -> EngineInfo:
-        e = self.engine
-        with e.cond:
-            s = e.scheduler
-            return EngineInfo(e.name, self.address, self.model, len(s.running), len(s.waiting),
-                              s.blocks.num_used / max(1, s.blocks.num_blocks), e.worker_up and e.redis_up)
-
-    def beat(self) -> None:
-        """One heartbeat. When the lease had lapsed, first drop what other engines took meanwhile: the
-        lease counts as fresh again only after that."""
-        sent = time.monotonic()
-        existed = self.registry.heartbeat(self.info(), self.ttl)
-        if self._registered and not existed:
-            held = self.engine.held()
-            owners = self.registry.engines_of(held)
-            self.engine.disown([rid for rid, owner in zip(held, owners) if owner not in (self.engine.name, None)])
-            log.warning("this engine's registration had expired (no heartbeat for %.1f s); registered again",
-                        self.ttl)
-        self._registered = True
-        self.lease.refreshed(sent)
-
-    def take_over(self) -> None:
-        """Move the requests of dead engines here (one claim per dead engine; another engine may win it)."""
-        for dead in self.registry.dead():
-            if dead == self.engine.name or not self.lease.fresh():
-                continue
-            moved = self.registry.claim(dead, self.engine.name)
-            if moved:
-                adopted = self.engine.adopt(moved)
-                self.metrics.engine_takeovers.inc(adopted)
-                log.warning("engine %s is gone; took over its %d requests", dead, adopted)
-
-    def start(self) -> None:
-        threading.Thread(target=self._run, name="membership", daemon=True).start()
-
-    def _run(self) -> None:
-        failures = 0
-        while not self._stop.wait(self.ttl / 6):
-            try:
-                self.beat()
-                self.take_over()
-                failures = 0
-            except Exception as exc:  # noqa: BLE001 - Redis down: the lease goes stale, steps wait
-                if failures % 20 == 0:
-                    log.warning("engine heartbeat failed: %s", exc)
-                failures += 1
-
-    def stop(self) -> None:
-        """A clean stop: leave at once, so that another engine takes the requests over without waiting."""
-        self._stop.set()
-        try:
-            self.registry.leave(self.engine.name)
-        except Exception:  # noqa: BLE001 - Redis down: the registration expires by itself
-            pass
 
 
 def worker_info(stub: worker_pb2_grpc.WorkerStub, address: str) -> worker_pb2.InfoResponse:

@@ -98,7 +98,7 @@ def test_an_engine_whose_lease_lapsed_drops_what_another_took_and_keeps_the_rest
     from scheduler_svc.block_manager import BlockManager
     from scheduler_svc.engine import Engine
     from scheduler_svc.policy import Scheduler
-    from scheduler_svc.server import Membership
+    from scheduler_svc.membership import Membership
 
     taken, kept = _request(registry, "a"), _request(registry, "a")
     engine = Engine(Scheduler(BlockManager(64, 16), 1024, 512, 8, 16), registry.store, transport=None,
