@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from conveyor.engines import Lease
+from conveyor.engines import Lease, Registry
 from conveyor.errors import NotFound, Unavailable
 from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.metrics import Metrics
@@ -341,21 +341,32 @@ class Engine:
         if not refused:
             time.sleep(backoff)
 
-    def _persist(self, writer, requests: dict[str, Request]) -> None:
+    def _persist(self, writer, requests: dict[str, Request]) -> set[str]:
         """Send one step's Redis writes. A record Redis lost (it restarted) is rewritten whole from memory;
         while Redis is unreachable, retry (with backoff) until it is back: tokens are published only
-        after Redis has them, so a client never sees a token a restarted process could not find."""
+        after Redis has them, so a client never sees a token a restarted process could not find.
+        Returns the requests another engine took over while this one's lease had lapsed: nothing was written
+        for them (the caller publishes nothing for them either)."""
         attempt = 0
         rewrites: dict[str, int] = {}
+        gone: set[str] = set()
+        check = False  # the lease lapsed meanwhile: write only what is still ours, once that is known
         while True:
-            self._wait_for_lease()
             try:
+                check |= self._wait_for_lease()
+                if check:
+                    taken = self._taken_over(requests)
+                    check = False
+                    if taken:
+                        gone |= taken
+                        requests = {rid: r for rid, r in requests.items() if rid not in taken}
+                        writer = self._rewrite(requests)
                 lost = writer.execute()
                 if not self.redis_up:
                     log.info("Redis is back after %d attempts", attempt)
                     self._set_health(redis_up=True)
                 if not lost:
-                    return
+                    return gone
                 log.warning("Redis lost or refused the records of %d requests; rewriting them", len(lost))
                 self.metrics.redis_repairs.inc(len(lost))
                 for rid in lost:
@@ -365,21 +376,37 @@ class Engine:
                     self._give_up(requests[rid])
                 requests = {rid: requests[rid] for rid in lost - hopeless if rid in requests}
                 if not requests:
-                    return
+                    return gone
             except REDIS_DOWN as exc:
                 if attempt % 20 == 0:
                     log.warning("Redis write failed (%s); retrying", exc)
                 self._set_health(redis_up=False)
                 time.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0))
                 attempt += 1
-            now = time.time()
-            writer = self.store.writer()  # retry by rewriting the step's records whole: idempotent
-            for request in requests.values():
-                writer.restore(request.to_record(now))
+            writer = self._rewrite(requests)  # retry by rewriting the step's records whole: idempotent
 
-    def _wait_for_lease(self) -> None:
+    def _rewrite(self, requests: dict[str, Request]):
+        """A writer that rewrites these requests' records whole from memory."""
+        now = time.time()
+        writer = self.store.writer()
+        for request in requests.values():
+            writer.restore(request.to_record(now))
+        return writer
+
+    def _taken_over(self, requests: dict[str, Request]) -> set[str]:
+        """Of ``requests``, those whose record names another engine now; they are dropped here."""
+        if not self.name or not requests:
+            return set()
+        owners = Registry(self.store).engines_of(list(requests))
+        taken = {rid for rid, owner in zip(requests, owners) if owner not in (None, self.name)}
+        if taken:
+            self.disown(sorted(taken))
+        return taken
+
+    def _wait_for_lease(self) -> bool:
         """Write only while this engine surely holds its requests: once its lease may have expired another
-        engine may have taken them, and the heartbeat settles which are still ours."""
+        engine may have taken them, and the heartbeat settles which are still ours. Returns whether it had
+        to wait (then the caller checks what is still ours)."""
         waited = 0
         while self.lease is not None and not self.lease.fresh() and not self._stopped:
             if waited % 100 == 0:
@@ -388,6 +415,7 @@ class Engine:
                 self._set_health(redis_up=False)
             time.sleep(0.02)
             waited += 1
+        return waited > 0
 
     def _give_up(self, request: Request) -> None:
         """A record Redis refuses even when rewritten whole: end that request (its own error, not an
@@ -424,7 +452,8 @@ class Engine:
                                 stopped_by_token=output.finish_reason == "stop" and request.stopped_by_token,
                                 error=request.error)
                 touched[request.request_id] = request
-        self._persist(writer, touched)
+        gone = self._persist(writer, touched)
         published = outputs + [o for o in decided if o.finish_reason != "stop"]  # the detokenizer knows its stops
+        published = [o for o in published if o.request.request_id not in gone]
         if published:
             self.publish(plan.step, published)

@@ -127,3 +127,42 @@ def test_a_submit_for_a_request_another_engine_holds_is_refused(registry):
     with pytest.raises(Unavailable, match="held by engine 'b'"):
         engine.submit(_request(registry, "b"))
     assert engine.submit(_request(registry, "a")) == 1
+
+
+def test_a_step_written_after_the_lease_lapsed_leaves_out_what_another_engine_took(registry):
+    """The step loop was blocked on a stale lease with a token for a request that another engine took over
+    meanwhile: once the heartbeat gets through, nothing of that token is written or published."""
+    import threading
+
+    from conveyor.metrics import Metrics
+    from scheduler_svc.block_manager import BlockManager
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.membership import Membership
+    from scheduler_svc.policy import Output, Scheduler, StepPlan
+
+    taken, kept = _request(registry, "a"), _request(registry, "a")
+    published = []
+    engine = Engine(Scheduler(BlockManager(64, 16), 1024, 512, 8, 16), registry.store, transport=None,
+                    publish=lambda step, outputs: published.extend(o.request.request_id for o in outputs),
+                    eos_token_ids=(2,), name="a", lease=Lease(ttl=0.5))
+    membership = Membership(engine, registry, "127.0.0.1:1", "m", Metrics("scheduler"))
+    membership.beat()
+    engine.adopt([taken, kept])
+    outputs = []
+    for rid in (taken, kept):  # a step's result, as Scheduler.update makes it
+        engine.scheduler.requests[rid].output_ids.append(5)
+        outputs.append(Output(engine.scheduler.requests[rid], 0, [5]))
+    time.sleep(0.6)  # the lease lapses; engine b takes one of the two
+    registry.heartbeat(EngineInfo("b", "y"), ttl=30)
+    registry.claim("a", "b")
+    assert registry.reassign(kept, "b", "a")
+    writing = threading.Thread(target=engine._write_and_publish, args=(StepPlan(1, [], []), outputs, []))
+    writing.start()
+    time.sleep(0.2)
+    assert writing.is_alive() and published == []  # blocked on the stale lease
+    membership.beat()
+    writing.join(timeout=10)
+    assert not writing.is_alive()
+    assert published == [kept]
+    assert registry.store.get(taken).output_ids == [] and registry.store.get(kept).output_ids == [5]
+    assert engine.held() == [kept]
