@@ -15,6 +15,7 @@ flight survive: every service rebuilds from Redis (see ``conveyor/state.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -264,6 +265,9 @@ def _start_redis(cfg: UpConfig, stack: Stack) -> str:
 def start(cfg: UpConfig) -> Stack:
     """Start Redis and the services, wait until all are SERVING; the caller stops the stack."""
     stack = Stack()
+    # the ports given explicitly are taken later (the public ones last, by the frontend): never hand them out
+    _HANDED_OUT.update(getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                       if f.name.endswith("port") and getattr(cfg, f.name) > 0)
     try:
         stack.redis_url = cfg.redis_url or _start_redis(cfg, stack)
         ports = {name: getattr(cfg, f"{name}_port") or free_port() for name in ("detokenizer", "deliver")}
