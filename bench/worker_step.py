@@ -2,11 +2,13 @@
 
     python bench/worker_step.py                 # the full table (a few minutes on 2 CPU cores)
     python bench/worker_step.py --batches 1 32 --contexts 128 --no-hf
+    python bench/worker_step.py --device cuda --dtype bfloat16 --model /path/to/hf-folder --batches 1 32 256
 
 For each (batch, context): every sequence gets a prompt of ``context`` tokens (prefilled first,
 not timed), then ``--steps`` decode steps are timed; tokens/s is batch * steps / seconds. Prefill
 is timed separately (one prompt of ``--prefill-len`` tokens, and a batch of them). transformers
-runs the same prompts in the same dtype with its KV cache (``past_key_values``), greedy.
+runs the same prompts in the same dtype with its KV cache (``past_key_values``), greedy. On a GPU
+every timing ends with a device synchronize.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ GREEDY = SamplingParams(temperature=0.0)
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (batch, length), generator=g)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run after the call that queued them returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def ours_decode(runner: ModelRunner, ids: torch.Tensor, steps: int, warmup: int = 2) -> float:
@@ -81,27 +89,36 @@ def hf_decode(model, ids: torch.Tensor, steps: int, warmup: int = 2) -> float:
     past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
     for i in range(warmup + steps):
         if i == warmup:
+            sync(ids.device)
             start = time.perf_counter()
         out = model(input_ids=nxt, use_cache=True, **{kw: past})
         past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(ids.device)
     return ids.shape[0] * steps / (time.perf_counter() - start)
 
 
 @torch.inference_mode()
 def hf_prefill(model, ids: torch.Tensor) -> float:
     model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up
+    sync(ids.device)
     start = time.perf_counter()
     model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    sync(ids.device)
     return ids.numel() / (time.perf_counter() - start)
 
 
-def load_hf(dtype: torch.dtype):
+def load_hf(model: str, dtype: torch.dtype, device: torch.device):
+    """transformers on the same weights: the default model's GGUF, or the same Hugging Face folder."""
     from transformers import AutoModelForCausalLM
 
     from conveyor.model_files import default_model_path
 
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    if model == "default":
+        path = default_model_path()
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    return hf.to(device).eval()
 
 
 def main() -> None:
@@ -113,20 +130,24 @@ def main() -> None:
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers (ours only)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--model", default="default", help="'default', a .gguf file or a Hugging Face folder")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--numerics", choices=("exact", "fast"), default="exact",
                         help="the worker's --numerics (transformers always computes the exact product)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = torch.float32
-    loaded = load_model("default", dtype=dtype, numerics=args.numerics)
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+    loaded = load_model(args.model, device=device, dtype=dtype, numerics=args.numerics)
     need = max(args.batches) * ((max(args.contexts) + args.steps + 2 + 16) // 16 + 1)
     need = max(need, args.prefill_batch * (args.prefill_len // 16 + 1))
-    cache = KVCache.allocate(loaded.config, 16, need, "cpu", dtype)
+    cache = KVCache.allocate(loaded.config, 16, need, device, dtype)
     runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=0)
-    hf = None if args.no_hf else load_hf(dtype)
+    hf = None if args.no_hf else load_hf(args.model, dtype, device)
     vocab = loaded.config.vocab_size
-    print(f"model {loaded.name}, {dtype}, {torch.get_num_threads()} threads, KV {need} blocks x "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"model {loaded.name}, {dtype}, {device} ({where}), KV {need} blocks x "
           f"{bytes_per_block(loaded.config, 16, dtype)} B")
     print(f"{'phase':<8}{'batch':>6}{'context':>9}{'conveyor tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}")
 
@@ -137,13 +158,13 @@ def main() -> None:
 
     for ctx in args.contexts:
         for batch in args.batches:
-            ids = prompts(batch, ctx, vocab)
+            ids = prompts(batch, ctx, vocab).to(device)
             ours = ours_decode(runner, ids, args.steps)
             ref = hf_decode(hf, ids, args.steps) if hf is not None else None
             row("decode", batch, ctx, ours, ref)
             gc.collect()
     for batch in (1, args.prefill_batch):
-        ids = prompts(batch, args.prefill_len, vocab, seed=1)
+        ids = prompts(batch, args.prefill_len, vocab, seed=1).to(device)
         ours = ours_prefill(runner, ids)
         ref = hf_prefill(hf, ids) if hf is not None else None
         row("prefill", batch, args.prefill_len, ours, ref)
