@@ -102,6 +102,7 @@ class Registry:
         self.store = store
         self.redis = store.redis
         self.prefix = store.prefix
+        self._live: tuple[float, list[EngineInfo]] | None = None  # (monotonic time read, live engines)
 
     @property
     def set_key(self) -> str:
@@ -123,12 +124,19 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(n.decode() for n in self.redis.smembers(self.set_key))
 
-    def live(self) -> list[EngineInfo]:
+    def live(self, max_age: float = 0.0) -> list[EngineInfo]:
+        """The live engines; ``max_age``: a read at most that many seconds old is answered again (a new list
+        object only when Redis was read)."""
+        now = time.monotonic()
+        if self._live is not None and now - self._live[0] <= max_age:
+            return self._live[1]
         names = self.names()
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(self.key(name))
-        return [EngineInfo.from_hash(name, raw) for name, raw in zip(names, pipe.execute()) if raw]
+        engines = [EngineInfo.from_hash(name, raw) for name, raw in zip(names, pipe.execute()) if raw]
+        self._live = (now, engines)
+        return engines
 
     def dead(self) -> list[str]:
         """Registered engines whose lease expired and whose requests were not yet taken over."""
@@ -207,21 +215,20 @@ class Router:
         self.registry = registry
         self.refresh = refresh
         self.imbalance, self.slack = imbalance, slack
-        self._engines: list[EngineInfo] = []
-        self._read_at = 0.0
-        self._sent: dict[str, int] = {}  # requests routed to each engine since its load was read
+        self._read: list[EngineInfo] | None = None  # the registry's read the loads below follow
+        self._gone: set[str] = set()  # engines that did not answer since that read
+        self._sent: dict[str, int] = {}  # requests routed to each engine since that read
 
     def engines(self) -> list[EngineInfo]:
         """Live, serving engines (re-read from Redis at most every ``refresh`` seconds)."""
-        now = time.monotonic()
-        if now - self._read_at > self.refresh:
-            self._engines = [e for e in self.registry.live() if e.serving]
-            self._read_at, self._sent = now, {}
-        return self._engines
+        read = self.registry.live(self.refresh)
+        if read is not self._read:
+            self._read, self._gone, self._sent = read, set(), {}
+        return [e for e in read if e.serving and e.name not in self._gone]
 
     def forget(self, name: str) -> None:
         """An engine did not answer: leave it out until the registry is read again."""
-        self._engines = [e for e in self._engines if e.name != name]
+        self._gone.add(name)
 
     def choose(self, prompt_ids: list[int], model: str = "", exclude: str | None = None) -> Route | None:
         engines = [e for e in self.engines() if e.name != exclude]
@@ -259,16 +266,14 @@ class Schedulers:
     def __init__(self, registry: Registry, refresh: float = 0.5):
         self.registry = registry
         self.refresh = refresh
-        self._addresses: dict[str, str] = {}
-        self._read_at = 0.0
         self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
 
     def _address(self, name: str) -> str | None:
-        now = time.monotonic()
-        if name not in self._addresses or now - self._read_at > self.refresh:
-            self._addresses = {e.name: e.address for e in self.registry.live()}
-            self._read_at = now
-        return self._addresses.get(name)
+        for max_age in (self.refresh, 0.0):  # an engine not in a recent read: read again before giving up
+            address = next((e.address for e in self.registry.live(max_age) if e.name == name), None)
+            if address is not None:
+                return address
+        return None
 
     def stub(self, name: str) -> scheduler_pb2_grpc.SchedulerStub:
         """The scheduler of engine ``name``; raises ``Unavailable`` while it is not registered."""
@@ -279,7 +284,7 @@ class Schedulers:
             self._stubs[address] = scheduler_pb2_grpc.SchedulerStub(grpc_util.internal_channel(address))
         return self._stubs[address]
 
-    def of_request(self, request_id: str) -> tuple[str, scheduler_pb2_grpc.SchedulerStub] | None:
-        """(engine name, scheduler stub) of the engine holding a request; None when it has no record."""
+    def of_request(self, request_id: str) -> scheduler_pb2_grpc.SchedulerStub | None:
+        """The scheduler of the engine holding a request; None when it has no record."""
         name = self.registry.engine_of(request_id)
-        return None if name is None else (name, self.stub(name))
+        return None if name is None else self.stub(name)

@@ -115,10 +115,10 @@ class FinishSender:
             backoff = 0.05
             while time.monotonic() - queued < self.give_up_after:
                 try:
-                    held = self.schedulers.of_request(request_id)
-                    if held is None:  # its record expired: nothing runs it any more
+                    scheduler = self.schedulers.of_request(request_id)
+                    if scheduler is None:  # its record expired: nothing runs it any more
                         break
-                    held[1].Finish(scheduler_pb2.FinishRequest(request_id=request_id, num_tokens=num_tokens), timeout=5)
+                    scheduler.Finish(scheduler_pb2.FinishRequest(request_id=request_id, num_tokens=num_tokens), timeout=5)
                     break
                 except (grpc.RpcError, ConveyorError, *REDIS_DOWN) as exc:
                     code = exc.code() if isinstance(exc, grpc.RpcError) else exc
@@ -181,9 +181,9 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
 
     def _abort(self, request_id: str) -> None:
         try:
-            held = self.schedulers.of_request(request_id)
-            if held is not None:
-                held[1].Abort(scheduler_pb2.SchedulerAbortRequest(request_id=request_id), timeout=5)
+            scheduler = self.schedulers.of_request(request_id)
+            if scheduler is not None:
+                scheduler.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=request_id), timeout=5)
         except (grpc.RpcError, ConveyorError, *REDIS_DOWN) as exc:
             log.warning("could not abort %s at its engine: %s", request_id, exc)
 

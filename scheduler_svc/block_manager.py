@@ -97,18 +97,14 @@ class BlockManager:
         taken = sum(1 for b in hits if self._refs[b] == 0)  # cached but free: they leave the free list
         return taken + max(0, self._blocks_for(num_tokens) - len(hits)) + reserve <= len(self._free)
 
-    def allocate(self, request_id: str, hits: list[int], tokens: TokenRange, num_tokens: int) -> list[int]:
+    def allocate(self, request_id: str, hits: list[int], num_tokens: int) -> list[int]:
         """Give a request ``hits`` (from ``match``) and room for ``num_tokens`` tokens; its table."""
         for block in hits:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
         self._tables[request_id] = list(hits)
-        key, keys = self.root, []
-        for i in range(len(hits)):  # cheap to recompute, and ``match`` may have been called for another state
-            key = chain(key, tokens(i * self.block_size, (i + 1) * self.block_size))
-            keys.append(key)
-        self._keys[request_id] = keys
+        self._keys[request_id] = [self._key_of[b] for b in hits]  # a hit is cached: its key is known
         self.stats.queries += num_tokens if self.prefix_cache else 0
         self.stats.hits += len(hits) * self.block_size
         self.grow(request_id, num_tokens)

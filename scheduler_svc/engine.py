@@ -151,15 +151,21 @@ class Engine:
         with self.cond:
             return list(self.scheduler.requests)
 
-    def disown(self, request_ids: list[str]) -> None:
-        """Another engine holds these now (this one's lease lapsed): drop them without writing anything."""
+    def drop_taken(self, request_ids: list[str]) -> set[str]:
+        """Of ``request_ids``, those whose record names another engine now (it took them over while this one's
+        lease had lapsed): dropped here, without writing anything; returns them."""
+        if not self.name or not request_ids:
+            return set()
+        owners = Registry(self.store).engines_of(request_ids)
+        taken = {rid for rid, owner in zip(request_ids, owners) if owner not in (None, self.name)}
         with self.cond:
-            for request_id in request_ids:
+            for request_id in taken:
                 self.scheduler.forget(request_id)
             self.cond.notify()
-        if request_ids:
+        if taken:
             log.warning("%d requests were taken over by other engines while this one's lease had lapsed; dropped "
-                        "them here", len(request_ids))
+                        "them here", len(taken))
+        return taken
 
     # ------------------------------------------------------------ the loop
 
@@ -355,7 +361,7 @@ class Engine:
             try:
                 check |= self._wait_for_lease()
                 if check:
-                    taken = self._taken_over(requests)
+                    taken = self.drop_taken(list(requests))
                     check = False
                     if taken:
                         gone |= taken
@@ -392,16 +398,6 @@ class Engine:
         for request in requests.values():
             writer.restore(request.to_record(now))
         return writer
-
-    def _taken_over(self, requests: dict[str, Request]) -> set[str]:
-        """Of ``requests``, those whose record names another engine now; they are dropped here."""
-        if not self.name or not requests:
-            return set()
-        owners = Registry(self.store).engines_of(list(requests))
-        taken = {rid for rid, owner in zip(requests, owners) if owner not in (None, self.name)}
-        if taken:
-            self.disown(sorted(taken))
-        return taken
 
     def _wait_for_lease(self) -> bool:
         """Write only while this engine surely holds its requests: once its lease may have expired another

@@ -39,9 +39,7 @@ class Membership:
         sent = time.monotonic()
         existed = self.registry.heartbeat(self.info(), self.ttl)
         if self._registered and not existed:
-            held = self.engine.held()
-            owners = self.registry.engines_of(held)
-            self.engine.disown([rid for rid, owner in zip(held, owners) if owner not in (self.engine.name, None)])
+            self.engine.drop_taken(self.engine.held())
             log.warning("this engine's registration had expired (no heartbeat for %.1f s); registered again",
                         self.ttl)
         self._registered = True

@@ -332,11 +332,10 @@ class Scheduler:
             if not (make_room and self.running and self.running[-1].priority > request.priority):
                 return None
             self._preempt(self.running[-1])
-        self.blocks.allocate(request.request_id, hits, request.tokens, cached + n)
+        self.blocks.allocate(request.request_id, hits, cached + n)
         self.waiting.remove(request)
         request.status = Status.RUNNING
         request.num_computed = cached
-        request.full_blocks = len(hits)
         self.admitted.append(request)
         insort(self.running, request, key=_rank)
         return self._chunk(request, n, registers=True)
@@ -354,10 +353,8 @@ class Scheduler:
                           cached_ids=request.tokens(0, start) if registers and start else [])
         request.num_computed = start + n
         request.samples_in_flight += chunk.sample
-        full = min(request.num_computed, request.num_tokens) // self.blocks.block_size  # in-flight tokens: no key yet
-        if full > request.full_blocks:  # a block filled up: key it for the prefix cache
-            self.blocks.fill(request.request_id, request.tokens, full * self.blocks.block_size)
-            request.full_blocks = full
+        # key the blocks that filled up for the prefix cache (a token still in flight has no key yet)
+        self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens))
         return chunk
 
     def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None) -> list[Output]:

@@ -43,7 +43,6 @@ class Request:
     suspect: bool = False  # was in a failed step: runs in steps of its own until it gets a token
     failures: int = 0  # failed steps this request is known to have caused
     engine: str = ""  # the engine holding it (kept to rewrite the Redis record whole)
-    full_blocks: int = 0  # of its blocks, those full of known tokens when last looked (keyed for the prefix cache)
     order: int = 0  # when the scheduler added it, among the requests it holds (ties of arrival)
 
     @classmethod

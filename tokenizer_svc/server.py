@@ -152,10 +152,10 @@ class EnginesClient:
             record.engine = route.engine.name
 
     def abort(self, request_id: str) -> bool:
-        held = self.schedulers.of_request(request_id)
-        if held is None:
+        scheduler = self.schedulers.of_request(request_id)
+        if scheduler is None:
             return False
-        return self._call(held[1].Abort, scheduler_pb2.SchedulerAbortRequest(request_id=request_id)).aborted
+        return self._call(scheduler.Abort, scheduler_pb2.SchedulerAbortRequest(request_id=request_id)).aborted
 
     def serving(self) -> bool:
         """Whether some engine serves (its worker and Redis answer); exports each engine's state."""
