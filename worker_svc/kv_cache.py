@@ -62,16 +62,22 @@ def kv_budget_bytes(device: torch.device, kv_cache_bytes: int | None, gpu_memory
 
 @dataclass
 class KVCache:
-    k: list[torch.Tensor]  # per layer: (num_blocks, block_size, Hkv, D)
+    k: list[torch.Tensor]  # per layer: (num_blocks + 1, block_size, Hkv, D), the last the scratch block
     v: list[torch.Tensor]
     block_size: int
     num_blocks: int
 
+    @property
+    def scratch_block(self) -> int:
+        """One block past the ``num_blocks`` the scheduler hands out: padding writes its K/V there."""
+        return self.num_blocks
+
     @classmethod
     def allocate(cls, cfg: ModelConfig, block_size: int, num_blocks: int, device, dtype) -> KVCache:
         # Uninitialised on purpose (zeroing GiBs costs seconds at start-up): attention only ever
-        # reads slots written earlier, padding included (the runner points padding at real slots).
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # reads slots written earlier, padding included (the runner points padding at real slots,
+        # or at the scratch block).
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         return cls(k, v, block_size, num_blocks)

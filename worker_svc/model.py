@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc import cpu_kernels
+from worker_svc.attention import PagedAttention
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,14 @@ class AttentionMetadata:
     """Where this step's tokens live in the paged cache and what they attend to.
 
     The runner orders the flat batch as: all decode tokens first (one per sequence), then the
-    prefill chunks one after another. Two ways to attend, chosen by which fields are set:
+    prefill chunks one after another. Three ways to attend, chosen by which fields are set:
 
     - CPU kernel (``block_tables`` set): each token reads its sequence's keys 0..its position in
       place through the block table (``worker_svc.cpu_kernels.paged_attention``);
-    - PyTorch (CUDA, or CPUs without the kernels): decodes gather their context into a padded
-      batch for one SDPA call; each prefill chunk gets its own SDPA call.
+    - flex attention (``paged`` set; the GPU's way): the same, through ``flex_attention`` and a
+      block mask made of the block tables (``worker_svc.attention``);
+    - SDPA (``--attention sdpa``): decodes gather their context into a padded batch for one SDPA
+      call; each prefill chunk gets its own SDPA call.
     """
 
     slot_mapping: torch.Tensor  # (T,) flat cache slot = block_id * block_size + offset
@@ -65,7 +68,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # (B, max_blocks) int32, one row per sequence
     token_seq: torch.Tensor | None = None  # (T,) int32: row of block_tables of each token
     token_pos: torch.Tensor | None = None  # (T,) int32: position of each token
-    # PyTorch
+    # flex attention
+    paged: PagedAttention | None = None
+    # SDPA
     num_decodes: int = 0  # decode tokens occupy rows [0, num_decodes)
     decode_kv_slots: torch.Tensor | None = None  # (Bd, Lmax) cache slots of each context, padded
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) True where the slot is real
@@ -179,6 +184,8 @@ class Attention(nn.Module):
         v_flat = v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        if meta.paged is not None:
+            return self.o_proj(meta.paged(q, k_flat, v_flat).reshape(T, cfg.q_size))
         out = torch.empty_like(q)  # (T, H, D)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_flat, v_flat, meta)

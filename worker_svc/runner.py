@@ -13,11 +13,14 @@ state of every other sequence stay as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from conveyor.errors import InvalidArgument
+from worker_svc.attention import PagedAttention, Rows, decode_rows, decode_size, paged_attention, prefill_rows
+from worker_svc.graphs import DecodeGraphs, Graph
 from worker_svc.kv_cache import KVCache
 from worker_svc.model import AttentionMetadata, LlamaModel, PrefillChunk
 from worker_svc.sampling import Sampled, SampleRow, SamplingParams, sample
@@ -77,8 +80,15 @@ class ModelRunner:
     """Owns the model, the KV cache and the per-sequence state; ``step`` runs one engine step."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int, seed: int | None = None,
-                 fail_on_token: int = -1, threads: tuple[int, int] | None = None):
-        """``threads``: (CPU threads for a step, for a step of one token); None leaves PyTorch's setting."""
+                 fail_on_token: int = -1, threads: tuple[int, int] | None = None, attention: str = "auto",
+                 compile_attention: bool | None = None, graphs: Callable[[], Graph] | None = None,
+                 max_graph_batch: int = 256):
+        """``threads``: (CPU threads for a step, for a step of one token); None leaves PyTorch's setting.
+        ``attention`` off the CPU kernels: "flex" (paged, in place) or "sdpa" (gathers each context); auto is
+        flex on a GPU, SDPA on a CPU (flex unfused materializes scores over the whole cache).
+        ``compile_attention``: fuse flex_attention with torch.compile (default: on a GPU). ``graphs``: makes
+        the graphs decode steps of up to ``max_graph_batch`` sequences are captured in (flex attention only;
+        ``CudaGraph.factory()`` on a GPU), None: every step eager."""
         self.fail_on_token = fail_on_token  # fault injection (--fail-on-token): -1 off
         self.threads = threads
         self.model = model
@@ -86,6 +96,17 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.vocab_size = model.cfg.vocab_size
         self.device = model.norm.weight.device
+        if attention == "auto":
+            attention = "flex" if self.device.type == "cuda" else "sdpa"
+        self.attention = "native" if model.cpu_kernels else attention
+        self.compile_attention = self.device.type == "cuda" if compile_attention is None else compile_attention
+        self.block_logical = torch.zeros(cache.num_blocks + 1, dtype=torch.int32, device=self.device)
+        self.graphs = None
+        if graphs is not None and self.attention == "flex":
+            self.graphs = DecodeGraphs(self._captured_forward, graphs, max_graph_batch,
+                                       min(-(-max_model_len // cache.block_size), cache.num_blocks),
+                                       cache.scratch_block, cache.block_size,
+                                       self.device)
         self.seqs: dict[str, SeqState] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
@@ -203,8 +224,11 @@ class ModelRunner:
         return SeqState(old.params, old.num_prompt_tokens, old.tokens + c.token_ids, old.block_table + c.new_block_ids)
 
     def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> list[StepResult]:
-        input_ids, positions, meta, last_rows = self._prepare(order, staged)
-        hidden = self.model(input_ids, positions, self.cache.layers(), meta)
+        if self.graphs is not None and len(order) <= self.graphs.max_batch and all(len(c.token_ids) == 1 for c in order):
+            hidden, last_rows = self._replay(order, staged), {c.seq_id: i for i, c in enumerate(order)}
+        else:
+            input_ids, positions, meta, last_rows = self._prepare(order, staged)
+            hidden = self.model(input_ids, positions, self.cache.layers(), meta)
         sampled = [c for c in order if c.sample]
         if not sampled:
             return []
@@ -215,6 +239,21 @@ class ModelRunner:
             s = staged[c.seq_id]
             sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :]))
         return [StepResult(c.seq_id, r) for c, r in zip(sampled, sample(logits, sample_rows, self.generator))]
+
+    def _replay(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> torch.Tensor:
+        """A step of decodes only, from its captured graph."""
+        bs = self.cache.block_size
+        tables = [staged[c.seq_id].block_table for c in order]
+        positions = [c.start_pos for c in order]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        return self.graphs.run([c.token_ids[0] for c in order], positions, slots, tables)
+
+    def _captured_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                          tables: torch.Tensor) -> torch.Tensor:
+        """The decode step a graph captures, on its static buffers (positions -1: padding rows)."""
+        paged = self.paged_attention([decode_rows(positions, len(positions))], tables)
+        meta = AttentionMetadata(slots, paged=paged)
+        return self.model(input_ids, positions.clamp(min=0), self.cache.layers(), meta)
 
     def _prepare(self, order: list[SeqChunk], staged: dict[str, SeqState]):
         """Flat token batch, positions and the attention metadata (built on CPU, moved once). Built from
@@ -230,8 +269,11 @@ class ModelRunner:
             slots += [table[q // bs] * bs + q % bs for q in span]
             last_rows[c.seq_id] = len(ids) - 1
         input_ids, positions, slot_mapping = torch.tensor(ids), torch.tensor(pos), torch.tensor(slots)
-        if self.model.cpu_kernels:
+        if self.attention == "native":
             return input_ids, positions, self._kernel_metadata(order, tables, positions, slot_mapping), last_rows
+        if self.attention == "flex":
+            meta = AttentionMetadata(slot_mapping.to(self.device), paged=self._paged(order, tables, positions))
+            return input_ids.to(self.device), positions.to(self.device), meta, last_rows
         num_decodes = sum(1 for c in order if len(c.token_ids) == 1)
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes)
         if num_decodes:
@@ -252,6 +294,34 @@ class ModelRunner:
             row += n
         meta = _to_device(meta, self.device)
         return input_ids.to(self.device), positions.to(self.device), meta, last_rows
+
+    def _paged(self, order: list[SeqChunk], tables: list[list[int]], positions: torch.Tensor) -> PagedAttention:
+        """Flex attention's calls: the decodes (one query row each), then the prefill chunks (one row)."""
+        num_decodes = sum(1 for c in order if len(c.token_ids) == 1)
+        rows = []
+        if num_decodes:
+            padded = torch.full((decode_size(num_decodes),), -1)
+            padded[:num_decodes] = positions[:num_decodes]
+            rows.append(decode_rows(padded, num_decodes))
+        if num_decodes < len(order):
+            chunks = order[num_decodes:]
+            rows.append(prefill_rows(num_decodes, [c.start_pos for c in chunks], [len(c.token_ids) for c in chunks],
+                                     num_decodes))
+        table = self.padded_tables(tables, max(len(t) for t in tables))
+        return self.paged_attention([r.to(self.device) for r in rows], table.to(self.device))
+
+    def padded_tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        """(R, width) int32, each table padded with the scratch block."""
+        pad = self.cache.scratch_block
+        return torch.tensor([t + [pad] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+    def paged_attention(self, rows: list[Rows], tables: torch.Tensor) -> PagedAttention:
+        """From device tensors only (a captured graph runs this). The block lists span the whole cache on a
+        CPU (its fused kernel asks for that), the tables' width elsewhere."""
+        slots = (self.cache.num_blocks + 1) * self.cache.block_size
+        width = max(self.cache.num_blocks + 1, tables.shape[1]) if self.device.type == "cpu" else tables.shape[1]
+        return paged_attention(rows, tables, self.block_logical, self.cache.block_size, width, slots,
+                               self.compile_attention)
 
     @staticmethod
     def _kernel_metadata(order, tables, positions: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
