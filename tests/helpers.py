@@ -17,12 +17,66 @@ from conveyor.launcher import free_port  # noqa: F401 - re-exported for the test
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_runner(loaded, block_size: int = 16, num_blocks: int = 1024, seed: int = 0, threads=None):
+def make_runner(loaded, block_size: int = 16, num_blocks: int = 1024, seed: int = 0, threads=None, **options):
+    """A runner over a fresh cache on the model's device and in its dtype; ``options`` go to ``ModelRunner``
+    (attention, compile_attention, graphs, max_graph_batch)."""
     from worker_svc.kv_cache import KVCache
     from worker_svc.runner import ModelRunner
 
-    cache = KVCache.allocate(loaded.config, block_size, num_blocks, "cpu", torch.float32)
-    return ModelRunner(loaded.model, cache, loaded.max_model_len, seed=seed, threads=threads)
+    weight = loaded.model.norm.weight
+    cache = KVCache.allocate(loaded.config, block_size, num_blocks, weight.device, weight.dtype)
+    return ModelRunner(loaded.model, cache, loaded.max_model_len, seed=seed, threads=threads, **options)
+
+
+def word_tokenizer(folder, vocab_size: int) -> None:
+    """A word-level tokenizer ``w0 .. w{n-1}`` for a model folder made in a test."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+
+
+def save_hf(model, folder) -> None:
+    """A Hugging Face folder of ``model``: safetensors, config and a word-level tokenizer."""
+    model.save_pretrained(folder, safe_serialization=True)
+    word_tokenizer(folder, model.config.vocab_size)
+
+
+def tiny_llama():
+    """A random 3-layer Llama with Llama-3 rope scaling, GQA and untied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64, "rope_theta": 500000.0},
+        rope_theta=500000.0,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    _randomize(model, 1)
+    return model
+
+
+def tiny_qwen2():
+    """A random 2-layer Qwen2: q/k/v biases, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=320, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, use_sliding_window=False,
+        rope_theta=1000000.0,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    _randomize(model, 2)
+    return model
 
 
 @torch.inference_mode()

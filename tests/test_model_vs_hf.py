@@ -14,8 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, hf_logits, make_runner
-from tokenizers import Tokenizer, models
+from helpers import ROOT, hf_logits, make_runner, save_hf, tiny_llama, tiny_qwen2, word_tokenizer
 
 from conveyor.model_files import ModelFileError
 from worker_svc import cpu_kernels
@@ -33,9 +32,14 @@ TORCH_ATOL = 1e-4
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
 
 
-def _score(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    runner = make_runner(loaded, block_size=block_size, num_blocks=len(ids) // block_size + 2)
-    return runner.score(ids, list(range(len(ids) // block_size + 1)))
+def _score(loaded, ids: list[int], block_size: int = 16, **options) -> torch.Tensor:
+    """Logits at every position, computed in blocks handed out last first (a table that runs backwards)."""
+    num_blocks = len(ids) // block_size + 2
+    runner = make_runner(loaded, block_size=block_size, num_blocks=num_blocks, **options)
+    return runner.score(ids, list(range(num_blocks - 1, 0, -1)))
+
+
+FLEX = {"attention": "flex", "compile_attention": True}  # the GPU's attention, fused here by the CPU's compiler
 
 
 @needs_kernels
@@ -48,67 +52,25 @@ def test_default_logits_match_transformers(default_model, dense_model, hf_model,
     ids = default_model.tokenizer.encode(prompt)
     expected = hf_logits(hf_model, ids)
     torch.testing.assert_close(_score(dense_model, ids), expected, atol=TORCH_ATOL, rtol=0)
+    torch.testing.assert_close(_score(dense_model, ids, **FLEX), expected, atol=TORCH_ATOL, rtol=0)
     torch.testing.assert_close(_score(default_model, ids), expected, atol=KERNEL_ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------- tiny models made in the test
 
 
-def _word_tokenizer(folder, vocab_size: int) -> None:
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-
-
-def _save_hf(model, folder) -> None:
-    model.save_pretrained(folder, safe_serialization=True)
-    _word_tokenizer(folder, model.config.vocab_size)
-
-
-def _tiny_llama(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-5,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64, "rope_theta": 500000.0},
-        rope_theta=500000.0,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    _randomize(model, 1)
-    return model
-
-
-def _tiny_qwen2(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=320, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, use_sliding_window=False,
-        rope_theta=1000000.0,
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
-    _randomize(model, 2)
-    return model
-
-
-@pytest.mark.parametrize("build", [_tiny_llama, _tiny_qwen2], ids=["llama3-rope-untied", "qwen2-bias-tied"])
-@pytest.mark.parametrize("kernels", ["auto", "off"])
-def test_tiny_hf_folder_matches_transformers(tmp_path, build, kernels):
-    reference = build(tmp_path)
-    _save_hf(reference, tmp_path)
-    ours = load_model(tmp_path, cpu_kernels=kernels)
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama3-rope-untied", "qwen2-bias-tied"])
+@pytest.mark.parametrize("path", ["kernels", "sdpa", "flex"])
+def test_tiny_hf_folder_matches_transformers(tmp_path, build, path):
+    """150 tokens: two tiles of flex attention's block mask, in 4-token blocks."""
+    reference = build()
+    save_hf(reference, tmp_path)
+    ours = load_model(tmp_path, cpu_kernels="auto" if path == "kernels" else "off")
     assert ours.config.architecture == reference.config.model_type
     ids = torch.randint(0, reference.config.vocab_size, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     expected = hf_logits(reference, ids)
-    torch.testing.assert_close(_score(ours, ids, block_size=4), expected, atol=1e-4, rtol=1e-4)
+    options = FLEX if path == "flex" else {"attention": "sdpa"}
+    torch.testing.assert_close(_score(ours, ids, block_size=4, **options), expected, atol=1e-4, rtol=1e-4)
 
 
 _PEAK_HOST_MEMORY = """
@@ -149,7 +111,7 @@ def test_a_hf_folder_streams_onto_its_device_with_no_host_copy_of_the_model(tmp_
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(tmp_path, safe_serialization=True)
-    _word_tokenizer(tmp_path, cfg.vocab_size)
+    word_tokenizer(tmp_path, cfg.vocab_size)
     size = sum(p.numel() * 2 for p in model.parameters())
     del model
     grew = {}
@@ -170,14 +132,14 @@ def test_a_hf_folder_streams_onto_its_device_with_no_host_copy_of_the_model(tmp_
 def test_hf_folder_with_unknown_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    _word_tokenizer(tmp_path, 10)
+    word_tokenizer(tmp_path, 10)
     with pytest.raises(ModelFileError, match="model_type 'gpt2' is not supported"):
         load_model(tmp_path)
 
 
 def test_hf_folder_without_weights_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    _word_tokenizer(tmp_path, 10)
+    word_tokenizer(tmp_path, 10)
     with pytest.raises(ModelFileError, match="no \\*.safetensors"):
         load_model(tmp_path)
 

@@ -74,6 +74,50 @@ def test_pytorch_path_generates_the_same_tokens(dense_model, prompts, alone):
     assert tokens == [t[:24] for t in alone[0][:4]]
 
 
+FLEX = {"attention": "flex", "compile_attention": True}  # the GPU's attention, fused by the CPU's compiler
+
+
+def test_flex_path_generates_the_same_tokens(dense_model, prompts, alone):
+    """Paged flex attention: prompts in odd chunks sharing steps with decodes, tables running backwards through
+    the cache; the tokens are the reference's and the log-probabilities SDPA's."""
+    runs = {}
+    for name, options in (("flex", FLEX), ("sdpa", {"attention": "sdpa"})):
+        scheduler = TinyScheduler(make_runner(dense_model, block_size=4, num_blocks=512, **options), chunk_sizes=[6, 17])
+        scheduler.free_blocks.reverse()
+        runs[name] = scheduler.run(prompts[:4], 24, together=True)
+    assert runs["flex"][0] == [t[:24] for t in alone[0][:4]]
+    for flex, sdpa in zip(runs["flex"][1], runs["sdpa"][1]):
+        assert flex == pytest.approx(sdpa, abs=1e-4)
+
+
+def test_flex_path_reads_blocks_shared_by_a_cached_prefix(dense_model, prompts):
+    """Two sequences register on a third's first two blocks (the prefix cache's way): the same block sits at
+    the same index of three tables, and each sequence's tokens are what it computes alone."""
+    greedy = SamplingParams(temperature=0.0)
+    base = prompts[0][:40]
+    others = [base[:32] + prompts[1][:9], base[:32] + prompts[2][:10]]
+
+    def alone_tokens(prompt):
+        runner = make_runner(dense_model, num_blocks=8, **FLEX)
+        first = _start(runner, "x", prompt, list(range(-(-len(prompt) // 16))))
+        return [first, *_continue(runner, "x", first, len(prompt), 4)]
+
+    runner = make_runner(dense_model, num_blocks=16, **FLEX)
+    shared = [9, 4]  # base's first blocks, full: positions 0..31
+    out = {"base": [_start(runner, "base", base, shared + [12])]}
+    chunks = [SeqChunk(f"s{i}", p[32:], 32, shared + [13 + i], True, greedy, len(p), cached_token_ids=p[:32])
+              for i, p in enumerate(others)]
+    for r in runner.step(StepInput(chunks)):
+        out[r.seq_id] = [r.sampled.token_id]
+    lengths = {"base": len(base), "s0": len(others[0]), "s1": len(others[1])}
+    for step in range(4):
+        decodes = [SeqChunk(s, [], lengths[s] + step, [], True, decode_last=True) for s in out]
+        for r in runner.step(StepInput(decodes)):
+            out[r.seq_id].append(r.sampled.token_id)
+    assert out["base"] == alone_tokens(base)
+    assert [out["s0"], out["s1"]] == [alone_tokens(p) for p in others]
+
+
 # ---------------------------------------------------------------- malformed steps
 
 

@@ -8,6 +8,7 @@ from conveyor.config import parse_size, require, setting
 
 ENV_PREFIX = "CONVEYOR_WORKER_"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION = ("auto", "flex", "sdpa")
 
 
 @dataclass
@@ -37,6 +38,13 @@ class WorkerConfig:
         "within ~2e-3 of exact)",
         choices=("exact", "fast"),
     )
+    attention: str = setting(
+        "auto", "attention off the CPU kernels: flex = paged attention reading the KV cache in place "
+        "(flex_attention, fused by torch.compile on a GPU); sdpa = each context gathered for "
+        "scaled_dot_product_attention; auto: flex on a GPU, sdpa on a CPU", choices=ATTENTION)
+    cuda_graphs: bool = setting(True, "on a GPU with flex attention, replay decode steps from CUDA graphs captured "
+                                      "per padded batch size (--no-cuda-graphs: every step eager)")
+    max_graph_batch: int = setting(256, "largest decode batch replayed from a CUDA graph (bigger ones run eager)")
     threads: int = setting(0, "CPU threads the model computes with (0: PyTorch's default, one per core it may use)")
     small_step_threads: int = setting(
         -1, "CPU threads for a step of a single token (one stream decoding): -1 leaves one core to the scheduler, "
@@ -57,6 +65,8 @@ class WorkerConfig:
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         require(self.profile_tokens >= 1, "profile_tokens", "must be >= 1")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        require(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
+        require(1 <= self.max_graph_batch <= 4096, "max_graph_batch", f"must be in [1, 4096], got {self.max_graph_batch}")
         require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         require(self.small_step_threads >= -1, "small_step_threads", f"must be >= -1, got {self.small_step_threads}")
         require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")

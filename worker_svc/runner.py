@@ -101,12 +101,11 @@ class ModelRunner:
         self.attention = "native" if model.cpu_kernels else attention
         self.compile_attention = self.device.type == "cuda" if compile_attention is None else compile_attention
         self.block_logical = torch.zeros(cache.num_blocks + 1, dtype=torch.int32, device=self.device)
+        self.table_width = min(-(-max_model_len // cache.block_size), cache.num_blocks)  # most blocks of a sequence
         self.graphs = None
         if graphs is not None and self.attention == "flex":
-            self.graphs = DecodeGraphs(self._captured_forward, graphs, max_graph_batch,
-                                       min(-(-max_model_len // cache.block_size), cache.num_blocks),
-                                       cache.scratch_block, cache.block_size,
-                                       self.device)
+            self.graphs = DecodeGraphs(self._captured_forward, graphs, max_graph_batch, self.table_width,
+                                       cache.scratch_block, cache.block_size, self.device)
         self.seqs: dict[str, SeqState] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
@@ -307,19 +306,17 @@ class ModelRunner:
             chunks = order[num_decodes:]
             rows.append(prefill_rows(num_decodes, [c.start_pos for c in chunks], [len(c.token_ids) for c in chunks],
                                      num_decodes))
-        table = self.padded_tables(tables, max(len(t) for t in tables))
+        table = torch.full((decode_size(len(tables)), self.table_width), self.cache.scratch_block, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         return self.paged_attention([r.to(self.device) for r in rows], table.to(self.device))
 
-    def padded_tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
-        """(R, width) int32, each table padded with the scratch block."""
-        pad = self.cache.scratch_block
-        return torch.tensor([t + [pad] * (width - len(t)) for t in tables], dtype=torch.int32)
-
     def paged_attention(self, rows: list[Rows], tables: torch.Tensor) -> PagedAttention:
-        """From device tensors only (a captured graph runs this). The block lists span the whole cache on a
-        CPU (its fused kernel asks for that), the tables' width elsewhere."""
+        """From device tensors only (a captured graph runs this). ``tables`` (R, table_width): rows padded to a
+        ``decode_size`` and every table to the longest a sequence can have, so that the fused kernel sees a
+        few shapes only. The block lists span the whole cache on a CPU (its fused kernel asks for that)."""
         slots = (self.cache.num_blocks + 1) * self.cache.block_size
-        width = max(self.cache.num_blocks + 1, tables.shape[1]) if self.device.type == "cpu" else tables.shape[1]
+        width = self.cache.num_blocks + 1 if self.device.type == "cpu" else self.table_width
         return paged_attention(rows, tables, self.block_logical, self.cache.block_size, width, slots,
                                self.compile_attention)
 

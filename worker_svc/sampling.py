@@ -117,8 +117,8 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> to
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop = mass_before >= top_p  # keep the smallest prefix whose mass reaches top_p
         drop[0] = False
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
+        # scattered back, not indexed by the mask: a boolean index would wait for the device
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
 
@@ -158,25 +158,31 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
             if p.seed is not None:
                 q[j] = _seeded_exponential(vocab, rows[i], device)
         tokens[drawn] = torch.argmax(torch.softmax(scaled, dim=-1) / q, dim=-1)
-    return _with_logprobs(raw, tokens.tolist(), rows)
+    return _to_host(raw, tokens, rows)
 
 
-def _with_logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> list[Sampled]:
-    """The sampled tokens with their log-probabilities (and alternatives), for the rows that ask: a
-    log-softmax over the vocabulary is the most expensive part of sampling a greedy batch."""
+def _to_host(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
+    """The sampled tokens with their log-probabilities (and alternatives) for the rows that ask, brought to
+    the host in one copy: on a GPU the step's one wait for the device. A log-softmax over the vocabulary is
+    the most expensive part of sampling a greedy batch, so only the rows that ask pay for it."""
     asking = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs]
-    logprob, alternatives = [0.0] * len(rows), [[] for _ in rows]
+    want_top = max((rows[i].params.top_logprobs for i in asking), default=0)
+    parts = [tokens.double()]  # ids are exact in float64; one tensor, one copy
     if asking:
         picked = raw[asking]
         log_norm = torch.logsumexp(picked, dim=-1, keepdim=True)  # logprob = raw logit - log_norm
-        chosen = picked.gather(1, torch.tensor([[tokens[i]] for i in asking], device=raw.device)) - log_norm
-        want_top = max(rows[i].params.top_logprobs for i in asking)
+        parts.append((picked.gather(1, tokens[asking].unsqueeze(1)) - log_norm).flatten().double())
         if want_top:
             top = torch.topk(picked, want_top, dim=-1)
-            top_ids, top_vals = top.indices.tolist(), (top.values - log_norm).tolist()
-        for j, i in enumerate(asking):
-            logprob[i] = chosen[j, 0].item()
-            n = rows[i].params.top_logprobs
-            if n:
-                alternatives[i] = list(zip(top_ids[j][:n], top_vals[j][:n]))
-    return [Sampled(t, lp, alt) for t, lp, alt in zip(tokens, logprob, alternatives)]
+            parts += [top.indices.flatten().double(), (top.values - log_norm).flatten().double()]
+    host = torch.cat(parts).tolist()
+    n, k = len(rows), len(asking)
+    ids = [int(t) for t in host[:n]]
+    logprob, alternatives = [0.0] * n, [[] for _ in rows]
+    for j, i in enumerate(asking):
+        logprob[i] = host[n + j]
+        top = rows[i].params.top_logprobs
+        at = n + k + j * want_top
+        at_values = at + k * want_top
+        alternatives[i] = [(int(t), v) for t, v in zip(host[at : at + top], host[at_values : at_values + top])]
+    return [Sampled(t, lp, alt) for t, lp, alt in zip(ids, logprob, alternatives)]

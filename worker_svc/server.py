@@ -19,6 +19,7 @@ from conveyor.metrics import Metrics
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
 from conveyor.wire import FAILED_SEQ_METADATA
 from worker_svc.config import WorkerConfig
+from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import GpuMemory, KVCache, bytes_per_block, kv_budget_bytes
 from worker_svc.loader import LoadedModel, load_model
 from worker_svc.runner import InvalidStep, ModelRunner, SeqChunk, StepInput, StepResult
@@ -204,12 +205,15 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     threads = cfg.threads or torch.get_num_threads()  # PyTorch's default: the cores this process may use
     small = threads if cfg.small_step_threads == 0 else max(1, threads - 1) if cfg.small_step_threads < 0 else \
         cfg.small_step_threads
+    graphs = CudaGraph.factory() if device.type == "cuda" and cfg.cuda_graphs else None
     runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed, fail_on_token=cfg.fail_on_token,
-                         threads=(threads, min(small, threads)))
+                         threads=(threads, min(small, threads)), attention=cfg.attention, graphs=graphs,
+                         max_graph_batch=cfg.max_graph_batch)
     log.info(
         "loaded %s in %.2fs on %s (%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),
-        f", quantized weights + CPU kernels, {cfg.numerics} numerics" if loaded.packed else ", CPU kernels" if loaded.model.cpu_kernels else "",
+        f", quantized weights + CPU kernels, {cfg.numerics} numerics" if loaded.packed else ", CPU kernels"
+        if loaded.model.cpu_kernels else f", {runner.attention} attention{', CUDA graphs' if runner.graphs else ''}",
         num_blocks, cfg.block_size, num_blocks * cfg.block_size, num_blocks * block_bytes / 2**20,
     )
     info = worker_pb2.InfoResponse(
