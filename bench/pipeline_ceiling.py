@@ -31,36 +31,43 @@ from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def make_tiny_model(folder: Path) -> Path:
-    """A random 1-layer Llama (hidden 64) with the default model's tokenizer, as a Hugging Face folder."""
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2}
+
+
+def make_tiny_model(folder: Path, tokenizer_from: str = "default", shape: dict | None = None, std: float = 0.05) -> Path:
+    """A Llama with random weights (``shape``: config.json's sizes; a 1-layer one with hidden size 64 by
+    default) and the tokenizer of ``tokenizer_from`` (any --model), as a Hugging Face folder."""
     import torch
     from safetensors.torch import save_file
 
     from conveyor.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer("default")
-    vocab, hidden, inter, heads, kv_heads = tokenizer.vocab_size, 64, 128, 4, 2
+    tokenizer = load_tokenizer(tokenizer_from)
+    shape = shape or TINY
+    vocab, hidden, inter = tokenizer.vocab_size, shape["hidden_size"], shape["intermediate_size"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
     head_dim = hidden // heads
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
-              "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 2048,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, **shape,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
               "eos_token_id": list(tokenizer.eos_token_ids), "bos_token_id": tokenizer.bos_token_id}
     g = torch.Generator().manual_seed(0)
 
-    def rand(*shape):
-        return torch.randn(*shape, generator=g) * 0.05
+    def rand(*size):
+        return (torch.randn(*size, generator=g) * std).to(torch.bfloat16)
 
-    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden),
-               "model.layers.0.input_layernorm.weight": torch.ones(hidden),
-               "model.layers.0.post_attention_layernorm.weight": torch.ones(hidden),
-               "model.layers.0.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-               "model.layers.0.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-               "model.layers.0.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-               "model.layers.0.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-               "model.layers.0.mlp.gate_proj.weight": rand(inter, hidden),
-               "model.layers.0.mlp.up_proj.weight": rand(inter, hidden),
-               "model.layers.0.mlp.down_proj.weight": rand(hidden, inter)}
+    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
+    for i in range(shape["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        weights |= {layer + "input_layernorm.weight": torch.ones(hidden),
+                    layer + "post_attention_layernorm.weight": torch.ones(hidden),
+                    layer + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+                    layer + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+                    layer + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+                    layer + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+                    layer + "mlp.gate_proj.weight": rand(inter, hidden),
+                    layer + "mlp.up_proj.weight": rand(inter, hidden),
+                    layer + "mlp.down_proj.weight": rand(hidden, inter)}
     folder.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
@@ -100,9 +107,10 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="'tiny' (made here), or any --model of `conveyor up` "
                         "('default': where the worker's arithmetic shows next to the pipeline's)")
     parser.add_argument("--numerics", choices=["exact", "fast"], default="fast")
+    parser.add_argument("--tokenizer", default="default", help="the tiny model's tokenizer: that of this --model")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_model(Path(tmp) / "tiny-llama") if args.model == "tiny" else args.model
+        model = make_tiny_model(Path(tmp) / "tiny-llama", args.tokenizer) if args.model == "tiny" else args.model
         stack = start(UpConfig(model=str(model), port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0,
                                deliver_port=0, kv_cache_bytes=256 << 20, max_num_seqs=256, log_level="WARNING",
                                numerics=args.numerics,

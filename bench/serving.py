@@ -2,6 +2,7 @@
 
     python bench/serving.py                       # concurrency 1, 8, 32 on the default model
     python bench/serving.py --concurrency 8 --rounds 3
+    python bench/serving.py --model /path/to/hf-folder --device cuda --concurrency 1 32 256 --kv-cache-bytes 8G
 
 Workload per round: ``c`` requests at once, each a prompt of ``--prompt-tokens`` tokens and exactly
 ``--max-tokens`` output tokens (ignore_eos, greedy), streamed through the SDK (frontend, scheduler,
@@ -27,10 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+from conveyor.config import parse_size  # noqa: E402
+from worker_svc.graphs import CudaGraph  # noqa: E402
 from worker_svc.kv_cache import KVCache  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
 from worker_svc.runner import ModelRunner, SeqChunk, StepInput  # noqa: E402
 from worker_svc.sampling import SamplingParams  # noqa: E402
+from worker_svc.server import resolve_dtype  # noqa: E402
 
 
 def prompt_text(client: Client, tokens: int) -> str:
@@ -93,23 +97,32 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating served / bare rounds per concurrency")
     parser.add_argument("--numerics", choices=("exact", "fast"), default="fast", help="the worker's --numerics (both sides)")
+    parser.add_argument("--model", default="default", help="any --model of `conveyor up` (both sides)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides; on a GPU in bf16, flex attention "
+                        "and CUDA graphs, as the worker serves)")
+    parser.add_argument("--kv-cache-bytes", type=parse_size, default=1 << 30, help="the served worker's KV cache")
     args = parser.parse_args()
 
-    loaded = load_model("default", numerics=args.numerics)
+    device = torch.device(args.device)
+    dtype = resolve_dtype("auto", device)
+    loaded = load_model(args.model, device=device, dtype=dtype, numerics=args.numerics)
     need = max(args.concurrency) * ((args.prompt_tokens + args.max_tokens + 32) // 16 + 1)
-    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, "cpu", torch.float32),
-                         loaded.max_model_len, seed=0)
+    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, device, dtype),
+                         loaded.max_model_len, seed=0, graphs=CudaGraph.factory() if device.type == "cuda" else None,
+                         max_graph_batch=max(args.concurrency))
     free = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
-    stack = start(UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                           kv_cache_bytes=1 << 30, log_level="WARNING", numerics=args.numerics, **free))
+    stack = start(UpConfig(model=args.model, device=args.device, port=free_port(), worker_port=0, scheduler_port=0,
+                           detokenizer_port=0, deliver_port=0, kv_cache_bytes=args.kv_cache_bytes, log_level="WARNING",
+                           numerics=args.numerics, **free))
     try:
         with Client(stack.endpoint, timeout=1200) as client:
             prompt = prompt_text(client, args.prompt_tokens)
             prompt_ids = client.tokenize(prompt)
             served(client, 1, prompt, 4, 1)  # warm-up both
             bare(runner, 1, prompt_ids, 4, 1)
-            print(f"prompt {len(prompt_ids)} tokens, {args.max_tokens} output tokens per request, {args.rounds} "
-                  f"alternating rounds (medians), {torch.get_num_threads()} threads")
+            print(f"{loaded.name} on {device} ({str(dtype).removeprefix('torch.')}), prompt {len(prompt_ids)} tokens, "
+                  f"{args.max_tokens} output tokens per request, {args.rounds} alternating rounds (medians), "
+                  f"{torch.get_num_threads()} threads")
             print(f"{'concurrency':>11}{'served tok/s':>14}{'bare step loop tok/s':>22}{'served/bare':>13}"
                   f"{'median TTFT s':>15}")
             for c in args.concurrency:

@@ -2,13 +2,15 @@
 
     python bench/worker_step.py                 # the full table (a few minutes on 2 CPU cores)
     python bench/worker_step.py --batches 1 32 --contexts 128 --no-hf
-    python bench/worker_step.py --device cuda --dtype bfloat16 --model /path/to/hf-folder --batches 1 32 256
+    python bench/worker_step.py --device cuda --dtype bfloat16 --model /path/to/hf-folder --batches 1 32 256 --generate
 
 For each (batch, context): every sequence gets a prompt of ``context`` tokens (prefilled first,
 not timed), then ``--steps`` decode steps are timed; tokens/s is batch * steps / seconds. Prefill
 is timed separately (one prompt of ``--prefill-len`` tokens, and a batch of them). transformers
-runs the same prompts in the same dtype with its KV cache (``past_key_values``), greedy. On a GPU
-every timing ends with a device synchronize.
+runs the same prompts in the same dtype with its KV cache (``past_key_values``), greedy; with
+``--generate`` its ``generate()`` is timed too. On a GPU the worker runs as it serves (flex attention,
+decode steps replayed from CUDA graphs captured up to the largest batch; the capture happens in the
+untimed warm-up) and every timing ends with a device synchronize.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 import torch
 
+from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.loader import load_model
 from worker_svc.runner import ModelRunner, SeqChunk, StepInput
@@ -98,6 +101,22 @@ def hf_decode(model, ids: torch.Tensor, steps: int, warmup: int = 2) -> float:
 
 
 @torch.inference_mode()
+def hf_generate(model, ids: torch.Tensor, steps: int) -> float:
+    """Decode tokens/s of ``generate()`` (greedy): the time of ``steps + 1`` new tokens less that of one."""
+
+    def timed(new_tokens: int) -> float:
+        sync(ids.device)
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0)
+        sync(ids.device)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    return ids.shape[0] * steps / (timed(steps + 1) - timed(1))
+
+
+@torch.inference_mode()
 def hf_prefill(model, ids: torch.Tensor) -> float:
     model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up
     sync(ids.device)
@@ -135,6 +154,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--numerics", choices=("exact", "fast"), default="exact",
                         help="the worker's --numerics (transformers always computes the exact product)")
+    parser.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto",
+                        help="the worker's --attention (off the CPU kernels)")
+    parser.add_argument("--no-graphs", action="store_true", help="on a GPU: every decode step eager (--no-cuda-graphs)")
+    parser.add_argument("--generate", action="store_true",
+                        help="also time transformers' generate() per decoded token (the issue's batch-1 yardstick)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,25 +167,32 @@ def main() -> None:
     need = max(args.batches) * ((max(args.contexts) + args.steps + 2 + 16) // 16 + 1)
     need = max(need, args.prefill_batch * (args.prefill_len // 16 + 1))
     cache = KVCache.allocate(loaded.config, 16, need, device, dtype)
-    runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=0)
+    graphs = CudaGraph.factory() if device.type == "cuda" and not args.no_graphs else None
+    runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=0, attention=args.attention, graphs=graphs,
+                         max_graph_batch=max(args.batches))
     hf = None if args.no_hf else load_hf(args.model, dtype, device)
     vocab = loaded.config.vocab_size
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"model {loaded.name}, {dtype}, {device} ({where}), KV {need} blocks x "
+    path = "CPU kernels" if runner.attention == "native" else f"{runner.attention} attention" + \
+        (", CUDA graphs" if runner.graphs else "")
+    print(f"model {loaded.name}, {dtype}, {device} ({where}), {path}, KV {need} blocks x "
           f"{bytes_per_block(loaded.config, 16, dtype)} B")
-    print(f"{'phase':<8}{'batch':>6}{'context':>9}{'conveyor tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}")
+    print(f"{'phase':<8}{'batch':>6}{'context':>9}{'conveyor tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}"
+          + (f"{'generate tok/s':>16}{'ratio':>8}" if args.generate else ""))
 
-    def row(phase, batch, ctx, ours, ref):
+    def row(phase, batch, ctx, ours, ref, generate=None):
         ref_s = f"{ref:20.1f}" if ref else f"{'-':>20}"
         ratio = f"{ours / ref:8.2f}" if ref else f"{'-':>8}"
-        print(f"{phase:<8}{batch:>6}{ctx:>9}{ours:16.1f}{ref_s}{ratio}", flush=True)
+        gen = f"{generate:16.1f}{ours / generate:8.2f}" if generate else ""
+        print(f"{phase:<8}{batch:>6}{ctx:>9}{ours:16.1f}{ref_s}{ratio}{gen}", flush=True)
 
     for ctx in args.contexts:
         for batch in args.batches:
             ids = prompts(batch, ctx, vocab).to(device)
             ours = ours_decode(runner, ids, args.steps)
             ref = hf_decode(hf, ids, args.steps) if hf is not None else None
-            row("decode", batch, ctx, ours, ref)
+            generate = hf_generate(hf, ids, args.steps) if hf is not None and args.generate else None
+            row("decode", batch, ctx, ours, ref, generate)
             gc.collect()
     for batch in (1, args.prefill_batch):
         ids = prompts(batch, args.prefill_len, vocab, seed=1).to(device)

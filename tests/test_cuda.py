@@ -2,14 +2,16 @@
 
 These need a GPU; ``bench/gpu_check.sh`` runs them on a GPU machine. Elsewhere pytest reports each as
 skipped, with the reason. Their CPU counterparts (the same code: flex attention fused by the CPU's
-compiler, the capture logic under a stand-in for CUDA graphs) run everywhere.
+compiler, the capture logic under a stand-in for CUDA graphs) run everywhere. The models are made
+here (a GPU machine may lack the default model's package): a Llama whose 4 query heads share 2 KV
+heads (flex attention's decoding kernel takes it) and a Qwen2 with 6 over 2 (its main kernel does).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TinyScheduler, hf_logits, make_runner, save_hf, tiny_llama
+from helpers import TinyScheduler, hf_logits, make_runner, save_hf, tiny_llama, tiny_qwen2
 
 from worker_svc.graphs import CudaGraph
 from worker_svc.loader import load_model
@@ -17,56 +19,60 @@ from worker_svc.loader import load_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (bench/gpu_check.sh runs these on a GPU machine)")
 
-PROMPTS = ["The capital of France is", "def quicksort(xs):\n    ", "안녕하세요! 오늘 날씨는", "1, 2, 3, 4,"]
 
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    reference = tiny_llama()
+@pytest.fixture(scope="module", params=[tiny_llama, tiny_qwen2], ids=["llama-gqa2", "qwen2-gqa3"])
+def folder(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param.__name__)
+    reference = request.param()
     save_hf(reference, path)
     return path, reference
 
 
-def _score(loaded, ids, **options):
+def _ids(reference, n: int = 300, seed: int = 3) -> list[int]:
+    return torch.randint(0, reference.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _score(loaded, ids, **options) -> torch.Tensor:
     num_blocks = len(ids) // 16 + 2
     runner = make_runner(loaded, num_blocks=num_blocks, **options)
-    return runner.score(ids, list(range(num_blocks - 1, 0, -1)))
+    return runner.score(ids, list(range(num_blocks - 1, 0, -1))).float().cpu()
 
 
 def test_flex_on_the_gpu_matches_transformers_in_fp32(folder):
     path, reference = folder
     ours = load_model(path, device="cuda", dtype=torch.float32)
-    ids = torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(3)).tolist()
-    got = _score(ours, ids, attention="flex").cpu()
-    torch.testing.assert_close(got, hf_logits(reference, ids), atol=1e-3, rtol=1e-3)
     assert make_runner(ours, num_blocks=4).attention == "flex"  # the GPU's default
+    ids = _ids(reference)
+    torch.testing.assert_close(_score(ours, ids), hf_logits(reference, ids), atol=1e-3, rtol=1e-3)
 
 
-def test_bf16_logits_follow_transformers_bf16_on_the_same_gpu(hf_model, hf_tokenizer):
-    """The default model in bf16 (weights and KV) against transformers in bf16 on the same GPU: the two
-    round differently, so the check is on agreement, not bits."""
-    ours = load_model("default", device="cuda", dtype=torch.bfloat16)
-    theirs = hf_model.to(device="cuda", dtype=torch.bfloat16)
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(folder):
+    """bf16 weights and KV: our logits stray from the fp32 reference no further than transformers' own bf16
+    run on the same GPU does (the two round differently, so the check is on the size of the error)."""
+    path, reference = folder
+    ids = _ids(reference)
+    truth = hf_logits(reference, ids)
+    ours = _score(load_model(path, device="cuda", dtype=torch.bfloat16), ids)
+    theirs_model = reference.to(device="cuda", dtype=torch.bfloat16)
     try:
-        for prompt in PROMPTS:
-            ids = ours.tokenizer.encode(prompt)
-            got = _score(ours, ids).float().cpu()
-            with torch.inference_mode():
-                want = theirs(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
-            assert (got - want).abs().mean() < 0.05 * want.abs().mean()
-            assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+        with torch.inference_mode():
+            theirs = theirs_model(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
     finally:
-        hf_model.to(device="cpu", dtype=torch.float32)
+        reference.to(device="cpu", dtype=torch.float32)
+    ours_error, their_error = (ours - truth).abs().mean(), (theirs - truth).abs().mean()
+    assert ours_error <= 2 * their_error + 1e-3, f"ours {ours_error:.4f}, transformers bf16 {their_error:.4f}"
 
 
-def test_captured_decode_steps_equal_the_eager_steps():
-    ours = load_model("default", device="cuda", dtype=torch.float32)
-    tok = ours.tokenizer
-    prompts = [tok.encode(p) for p in PROMPTS]
+def test_captured_decode_steps_equal_the_eager_steps(folder):
+    path, reference = folder
+    ours = load_model(path, device="cuda", dtype=torch.float32)
+    prompts = [_ids(reference, n, seed) for n, seed in ((5, 1), (40, 2), (17, 3), (90, 4), (33, 5))]
     runs = []
     for graphs in (None, CudaGraph.factory()):
         runner = make_runner(ours, num_blocks=256, graphs=graphs, max_graph_batch=8)
+        if runner.graphs is not None:
+            with torch.inference_mode():
+                runner.graphs.capture_all()
         scheduler = TinyScheduler(runner, chunk_sizes=[5, 12])
         scheduler.free_blocks.reverse()
         runs.append(scheduler.run(prompts, 24, together=True))
@@ -80,8 +86,7 @@ def test_captured_decode_steps_equal_the_eager_steps():
 def test_a_hf_folder_loads_straight_onto_the_gpu_in_bf16(folder):
     path, _ = folder
     loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
-    params = list(loaded.model.parameters())
-    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in params)
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in loaded.model.parameters())
 
 
 def test_gpu_memory_utilization_sizes_the_kv_cache(folder):
@@ -91,8 +96,9 @@ def test_gpu_memory_utilization_sizes_the_kv_cache(folder):
     path, _ = folder
     total = torch.cuda.mem_get_info()[1]
     runner, _, info = build_runner(WorkerConfig(model=str(path), device="cuda", gpu_memory_utilization=0.2,
-                                                profile_tokens=1024))
+                                                profile_tokens=1024, max_graph_batch=8))
     cache = info.num_blocks * info.block_bytes
-    assert 0 < cache <= 0.2 * total
-    assert cache > 0.1 * total  # a tiny model leaves nearly all of its share to the cache
+    assert 0.1 * total < cache <= 0.2 * total  # a tiny model leaves nearly all of its share to the cache
+    assert sorted(runner.graphs.graphs) == [1, 2, 4, 8]  # captured before serving
     del runner
+    torch.cuda.empty_cache()

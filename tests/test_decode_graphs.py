@@ -112,3 +112,18 @@ def test_each_size_is_captured_once_and_big_batches_run_eager(dense_model, promp
     assert out[runner] == out[reference]
     assert captured == [2, 1]
     assert sorted(runner.graphs.graphs) == [1, 2]
+
+
+def test_capturing_every_size_up_front_writes_only_the_scratch_block(dense_model, prompts, eager, captured):
+    """What the worker does before it serves: every size captured largest first, on padding alone; the real
+    blocks stay untouched, and the steps that follow replay without capturing."""
+    runner = make_runner(dense_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=5, **FLEX)
+    for t in runner.cache.k + runner.cache.v:
+        t.zero_()
+    with torch.inference_mode():
+        runner.graphs.capture_all()
+    assert captured == [8, 4, 2, 1]
+    assert all(not t[:64].any() for t in runner.cache.k + runner.cache.v)
+    tokens, _ = _decoding(runner, prompts[:3], 12)
+    assert tokens == eager[0][0]
+    assert captured == [8, 4, 2, 1]

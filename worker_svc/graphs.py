@@ -7,8 +7,8 @@ size ``decode_size`` gives that holds it; its inputs (token ids, positions, cach
 are copied into static buffers first, and the padding rows write their K/V to the scratch block and
 attend to nothing. Prefill steps and mixed steps run eagerly.
 
-The graphs are captured on first use of each size (the fused attention kernel is compiled for it on the
-way). The capture itself comes from ``new_graph``, so that the logic here (sizes, padding, static
+The worker captures every size at start-up (``capture_all``; the fused attention kernel is compiled for
+each on the way); a size not captured yet is captured on first use. The capture itself comes from ``new_graph``, so that the logic here (sizes, padding, static
 buffers, reuse) runs under a device-independent stand-in in the tests; ``CudaGraph`` is the real one.
 """
 
@@ -103,6 +103,20 @@ class DecodeGraphs:
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]
+
+    def capture_all(self) -> None:
+        """Capture every size now (the worker does, before it reports SERVING, as vLLM does): the first steps
+        of a busy server then wait for no compiler. The buffers hold padding only, which writes nothing but
+        the scratch block."""
+        started = time.perf_counter()
+        self.inputs[0].zero_()
+        self.inputs[1].fill_(-1)
+        self.inputs[2].fill_(self.scratch_block * self.block_size)
+        self.tables.fill_(self.scratch_block)
+        for size in reversed(self.sizes()):  # the largest first: the smaller ones reuse its memory
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
+        log.info("captured %d decode graphs in %.1fs", len(self.graphs), time.perf_counter() - started)
 
     def _capture(self, size: int) -> tuple[Graph, torch.Tensor]:
         started = time.perf_counter()

@@ -209,6 +209,9 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed, fail_on_token=cfg.fail_on_token,
                          threads=(threads, min(small, threads)), attention=cfg.attention, graphs=graphs,
                          max_graph_batch=cfg.max_graph_batch)
+    if runner.graphs is not None:
+        with torch.inference_mode():
+            runner.graphs.capture_all()
     log.info(
         "loaded %s in %.2fs on %s (%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),
