@@ -90,6 +90,20 @@ def test_flex_path_generates_the_same_tokens(dense_model, prompts, alone):
         assert flex == pytest.approx(sdpa, abs=1e-4)
 
 
+def test_flex_path_is_immune_to_nan_in_memory_never_written(dense_model, prompts, alone):
+    """A fresh cache is uninitialised memory, which may hold NaN bit patterns; flex attention weighs the
+    unwritten tail of a sequence's last block by zero, and 0 * NaN would poison the row."""
+    from worker_svc.kv_cache import KVCache
+    from worker_svc.runner import ModelRunner
+
+    cache = KVCache.allocate(dense_model.config, 16, 64, "cpu", torch.float32)
+    for t in cache.k + cache.v:
+        t.fill_(float("nan"))
+    runner = ModelRunner(dense_model.model, cache, dense_model.max_model_len, seed=0, **FLEX)
+    tokens, _ = TinyScheduler(runner).run(prompts[:2], 8, together=True)
+    assert tokens == [t[:8] for t in alone[0][:2]]
+
+
 def test_flex_path_reads_blocks_shared_by_a_cached_prefix(dense_model, prompts):
     """Two sequences register on a third's first two blocks (the prefix cache's way): the same block sits at
     the same index of three tables, and each sequence's tokens are what it computes alone."""

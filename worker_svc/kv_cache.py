@@ -74,9 +74,9 @@ class KVCache:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, block_size: int, num_blocks: int, device, dtype) -> KVCache:
-        # Uninitialised on purpose (zeroing GiBs costs seconds at start-up): attention only ever
-        # reads slots written earlier, padding included (the runner points padding at real slots,
-        # or at the scratch block).
+        # Uninitialised on purpose (zeroing GiBs costs seconds on a CPU): the CPU kernels and SDPA only
+        # ever read slots written earlier, padding included (the runner points padding at real slots).
+        # Flex attention does touch unwritten slots (with a zero weight): its runner zeroes the cache.
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]

@@ -88,7 +88,8 @@ class ModelRunner:
         flex on a GPU, SDPA on a CPU (flex unfused materializes scores over the whole cache).
         ``compile_attention``: fuse flex_attention with torch.compile (default: on a GPU). ``graphs``: makes
         the graphs decode steps of up to ``max_graph_batch`` sequences are captured in (flex attention only;
-        ``CudaGraph.factory()`` on a GPU), None: every step eager."""
+        ``CudaGraph.factory()`` on a GPU), None: every step eager; eager steps pad their block tables to as
+        many rows."""
         self.fail_on_token = fail_on_token  # fault injection (--fail-on-token): -1 off
         self.threads = threads
         self.model = model
@@ -101,6 +102,13 @@ class ModelRunner:
         self.attention = "native" if model.cpu_kernels else attention
         self.compile_attention = self.device.type == "cuda" if compile_attention is None else compile_attention
         self.block_logical = torch.zeros(cache.num_blocks + 1, dtype=torch.int32, device=self.device)
+        if self.attention == "flex":
+            # Flex attention multiplies the masked slots of a partial block (a sequence's unwritten tail) by a
+            # zero weight: memory never written could hold NaN bit patterns, and 0 * NaN is NaN. Written
+            # slots are finite, so zeroing once suffices (on a GPU a memset of the cache takes milliseconds).
+            for t in cache.k + cache.v:
+                t.zero_()
+        self.max_graph_batch = max_graph_batch
         self.table_width = min(-(-max_model_len // cache.block_size), cache.num_blocks)  # most blocks of a sequence
         self.graphs = None
         if graphs is not None and self.attention == "flex":
@@ -306,15 +314,17 @@ class ModelRunner:
             chunks = order[num_decodes:]
             rows.append(prefill_rows(num_decodes, [c.start_pos for c in chunks], [len(c.token_ids) for c in chunks],
                                      num_decodes))
-        table = torch.full((decode_size(len(tables)), self.table_width), self.cache.scratch_block, dtype=torch.int32)
+        # as many rows as the biggest decode batch (the tables are an input of the fused kernel: a shape
+        # that changed with every step's sequence count would compile it anew)
+        height = max(decode_size(self.max_graph_batch), decode_size(len(tables)))
+        table = torch.full((height, self.table_width), self.cache.scratch_block, dtype=torch.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         return self.paged_attention([r.to(self.device) for r in rows], table.to(self.device))
 
     def paged_attention(self, rows: list[Rows], tables: torch.Tensor) -> PagedAttention:
-        """From device tensors only (a captured graph runs this). ``tables`` (R, table_width): rows padded to a
-        ``decode_size`` and every table to the longest a sequence can have, so that the fused kernel sees a
-        few shapes only. The block lists span the whole cache on a CPU (its fused kernel asks for that)."""
+        """From device tensors only (a captured graph runs this). ``tables`` (R, table_width): every table
+        padded to the longest a sequence can have, so that the fused kernel sees a few shapes only. The block lists span the whole cache on a CPU (its fused kernel asks for that)."""
         slots = (self.cache.num_blocks + 1) * self.cache.block_size
         width = self.cache.num_blocks + 1 if self.device.type == "cpu" else self.table_width
         return paged_attention(rows, tables, self.block_logical, self.cache.block_size, width, slots,

@@ -166,15 +166,16 @@ def _to_host(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> 
     the host in one copy: on a GPU the step's one wait for the device. A log-softmax over the vocabulary is
     the most expensive part of sampling a greedy batch, so only the rows that ask pay for it."""
     asking = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs]
-    want_top = max((rows[i].params.top_logprobs for i in asking), default=0)
+    if not asking:
+        return [Sampled(t, 0.0, []) for t in tokens.tolist()]
+    want_top = max(rows[i].params.top_logprobs for i in asking)
     parts = [tokens.double()]  # ids are exact in float64; one tensor, one copy
-    if asking:
-        picked = raw[asking]
-        log_norm = torch.logsumexp(picked, dim=-1, keepdim=True)  # logprob = raw logit - log_norm
-        parts.append((picked.gather(1, tokens[asking].unsqueeze(1)) - log_norm).flatten().double())
-        if want_top:
-            top = torch.topk(picked, want_top, dim=-1)
-            parts += [top.indices.flatten().double(), (top.values - log_norm).flatten().double()]
+    picked = raw[asking]
+    log_norm = torch.logsumexp(picked, dim=-1, keepdim=True)  # logprob = raw logit - log_norm
+    parts.append((picked.gather(1, tokens[asking].unsqueeze(1)) - log_norm).flatten().double())
+    if want_top:
+        top = torch.topk(picked, want_top, dim=-1)
+        parts += [top.indices.flatten().double(), (top.values - log_norm).flatten().double()]
     host = torch.cat(parts).tolist()
     n, k = len(rows), len(asking)
     ids = [int(t) for t in host[:n]]
