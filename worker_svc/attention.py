@@ -43,8 +43,11 @@ def flex(compiled: bool):
     """flex_attention fused by ``torch.compile`` (what a GPU runs; the CPU has a fused kernel too), or
     the unfused reference (materializes the scores: for small caches, as in tests)."""
     if compiled:
-        # one fused kernel per shape: decode buckets and prefill tile counts, a few dozen in all
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+        # one fused kernel per shape: decode sizes and prefill tile counts, a few dozen in all (the setting
+        # was called cache_size_limit before PyTorch 2.7)
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), 128))
         return torch.compile(flex_attention, dynamic=False)
 
     def unfused(*args, **kwargs):
