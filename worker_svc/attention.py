@@ -185,6 +185,16 @@ def block_mask(rows: Rows, tables: torch.Tensor, logical: torch.Tensor, block_si
     )
 
 
+def padded_tables(tables: list[list[int]], rows: int, width: int, pad: int) -> torch.Tensor:
+    """(rows, width) int32 on the host: the tables, padded with the ``pad`` block (rows too). One tensor
+    made from Python lists, as wide as the longest table here, then copied in: not one tensor per row."""
+    out = torch.full((rows, width), pad, dtype=torch.int32)
+    longest = max((len(t) for t in tables), default=0)
+    if longest:
+        out[: len(tables), :longest] = torch.tensor([t + [pad] * (longest - len(t)) for t in tables], dtype=torch.int32)
+    return out
+
+
 def index_blocks(logical: torch.Tensor, tables: torch.Tensor) -> None:
     """Record each block's index in its table: ``logical[tables[r, i]] = i`` (shared blocks get the same
     value from every sharer; the padding's scratch block gets any)."""

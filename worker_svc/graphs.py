@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from worker_svc.attention import decode_size
+from worker_svc.attention import decode_size, padded_tables
 
 log = logging.getLogger("conveyor.worker")
 
@@ -93,9 +93,7 @@ class DecodeGraphs:
         pad = size - n
         inputs = torch.tensor([token_ids + [0] * pad, positions + [-1] * pad,
                                slots + [self.scratch_block * self.block_size] * pad])
-        table = torch.full((size, self.table_width), self.scratch_block, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = padded_tables(tables, size, self.table_width, self.scratch_block)
         self.inputs[:, :size].copy_(inputs, non_blocking=True)
         self.tables[:size].copy_(table, non_blocking=True)
         if size not in self.graphs:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.errors import InvalidArgument
-from worker_svc.attention import PagedAttention, Rows, decode_rows, decode_size, paged_attention, prefill_rows
+from worker_svc.attention import (PagedAttention, Rows, decode_rows, decode_size, padded_tables, paged_attention,
+                                  prefill_rows)
 from worker_svc.graphs import DecodeGraphs, Graph
 from worker_svc.kv_cache import KVCache
 from worker_svc.model import AttentionMetadata, LlamaModel, PrefillChunk
@@ -317,14 +318,13 @@ class ModelRunner:
         # as many rows as the biggest decode batch (the tables are an input of the fused kernel: a shape
         # that changed with every step's sequence count would compile it anew)
         height = max(decode_size(self.max_graph_batch), decode_size(len(tables)))
-        table = torch.full((height, self.table_width), self.cache.scratch_block, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = padded_tables(tables, height, self.table_width, self.cache.scratch_block)
         return self.paged_attention([r.to(self.device) for r in rows], table.to(self.device))
 
     def paged_attention(self, rows: list[Rows], tables: torch.Tensor) -> PagedAttention:
         """From device tensors only (a captured graph runs this). ``tables`` (R, table_width): every table
-        padded to the longest a sequence can have, so that the fused kernel sees a few shapes only. The block lists span the whole cache on a CPU (its fused kernel asks for that)."""
+        padded to the longest a sequence can have, so that the fused kernel sees a few shapes only. The
+        block lists span the whole cache on a CPU (its fused kernel asks for that)."""
         slots = (self.cache.num_blocks + 1) * self.cache.block_size
         width = self.cache.num_blocks + 1 if self.device.type == "cpu" else self.table_width
         return paged_attention(rows, tables, self.block_logical, self.cache.block_size, width, slots,
