@@ -37,22 +37,26 @@ MAX_WHEEL = 16 << 20
 REDIS_LIBS = ("libjemalloc", "liblzf", "libatomic", "libsystemd")  # what redis-server links beyond a base system
 
 
+def _requirement(line: str):
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare Python: pip's own copy
+        from pip._vendor.packaging.requirements import Requirement
+    return Requirement(line)
+
+
 def requirements() -> list[str]:
     """The project's runtime requirements, and of its dev ones those the check runs (tests, transformers)."""
-    from packaging.requirements import Requirement
-
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    dev = [r for r in project["optional-dependencies"]["dev"] if Requirement(r.split("#")[0]).name in CHECK_EXTRAS]
+    dev = [r for r in project["optional-dependencies"]["dev"] if _requirement(r.split("#")[0]).name in CHECK_EXTRAS]
     return [r.split("#")[0].strip() for r in project["dependencies"] + dev]
 
 
 def missing() -> list[str]:
     """Requirements not installed in a version that satisfies them."""
-    from packaging.requirements import Requirement
-
     lacking = []
     for line in requirements():
-        req = Requirement(line)
+        req = _requirement(line)
         try:
             if req.specifier.contains(importlib.metadata.version(req.name), prereleases=True):
                 continue
@@ -103,6 +107,11 @@ def _pack_redis(folder: Path) -> None:
 def make_model(folder: Path, tokenizer: str) -> None:
     from pipeline_ceiling import make_tiny_model
 
+    from conveyor.tokenizer import tokenizer_from_hf_folder
+
+    source = Path(tokenizer)
+    if (source / "tokenizer.json").is_file() and not (source / "config.json").is_file():  # what prepare wrote
+        tokenizer = tokenizer_from_hf_folder(source)
     make_tiny_model(folder, tokenizer, SMOLLM2_135M, std=0.02)
     print(folder)
 

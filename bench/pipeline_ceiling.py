@@ -35,15 +35,16 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "nu
         "num_key_value_heads": 2}
 
 
-def make_tiny_model(folder: Path, tokenizer_from: str = "default", shape: dict | None = None, std: float = 0.05) -> Path:
+def make_tiny_model(folder: Path, tokenizer_from="default", shape: dict | None = None, std: float = 0.05) -> Path:
     """A Llama with random weights (``shape``: config.json's sizes; a 1-layer one with hidden size 64 by
-    default) and the tokenizer of ``tokenizer_from`` (any --model), as a Hugging Face folder."""
+    default) and the tokenizer of ``tokenizer_from`` (any --model, or a ``ModelTokenizer``), as a Hugging
+    Face folder."""
     import torch
     from safetensors.torch import save_file
 
-    from conveyor.tokenizer import load_tokenizer
+    from conveyor.tokenizer import ModelTokenizer, load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_from)
+    tokenizer = tokenizer_from if isinstance(tokenizer_from, ModelTokenizer) else load_tokenizer(tokenizer_from)
     shape = shape or TINY
     vocab, hidden, inter = tokenizer.vocab_size, shape["hidden_size"], shape["intermediate_size"]
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
