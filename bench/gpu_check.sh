@@ -55,6 +55,7 @@ setup() {
         local from=()
         [ -d "$PREP/wheels" ] && from=(--no-index --find-links "$PREP/wheels")
         echo "installing: $lacking"
+        export PIP_BREAK_SYSTEM_PACKAGES=1  # no venv could be made: the machine's own Python, marked or not
         # shellcheck disable=SC2086
         "$PY" -m pip install -q "${from[@]}" $lacking || return 1
     fi
