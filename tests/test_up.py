@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,9 @@ def up(tmp_path):
             break
     assert any("Conveyor is serving" in x for x in lines), "".join(lines)
     assert f"127.0.0.1:{port}" in lines[-1]
+    # keep reading what the stack prints: a full pipe would block its logging, and a failure can show it
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    proc.output = lines
     yield proc, f"127.0.0.1:{port}"
     if proc.poll() is None:
         proc.kill()
@@ -83,7 +87,7 @@ def test_a_dead_child_is_restarted_and_one_that_keeps_dying_stops_the_stack(up):
                 assert client.generate("The capital of France is", temperature=0, max_tokens=3).completion_tokens > 0
                 break
             except Exception:
-                assert time.monotonic() < deadline, "the frontend was not restarted"
+                assert time.monotonic() < deadline, "the frontend was not restarted:\n" + "".join(proc.output[-40:])
                 time.sleep(0.5)
     second = _child(proc.pid, "frontend")
     assert second != first and proc.poll() is None
