@@ -102,11 +102,6 @@ class Rows:
         return Rows(*(t.to(device, non_blocking=True) for t in vars(self).values()))
 
 
-def pad_to(n: int, sizes: tuple[int, ...]) -> int:
-    """The smallest of ``sizes`` (ascending) that holds ``n``; ``n`` itself past the largest."""
-    return next((size for size in sizes if size >= n), n)
-
-
 def decode_size(n: int) -> int:
     """The padded size of a batch of ``n`` decodes: a power of two up to 32, then a multiple of 32 (the sizes
     a graph is captured for; the fused kernel is compiled for these shapes only)."""
@@ -123,16 +118,13 @@ def decode_rows(positions: torch.Tensor, num_tokens: int) -> Rows:
     return Rows(seq.long(), seq, pos, seq, pos, pos, torch.arange(num_tokens, device=positions.device))
 
 
-TILE_COUNTS = tuple(2**i for i in range(16))  # a prefill row is padded to a power of two of tiles
-
-
 def prefill_rows(first_row: int, starts: list[int], lengths: list[int], first_token: int) -> Rows:
     """Chunks of sequences ``first_row, first_row + 1, ...`` (tokens ``first_token, ...`` of the flat batch,
     one chunk after another) laid out in one query row, each chunk from a tile boundary. The row is padded
     to a power of two of tiles, so that a fused kernel is compiled for a few shapes only: a tile of padding
     lists no block, and costs nothing."""
     tiles = [-(-n // Q_TILE) for n in lengths]
-    n_tiles = pad_to(sum(tiles), TILE_COUNTS)
+    n_tiles = 1 << (sum(tiles) - 1).bit_length()
     width = n_tiles * Q_TILE
     q_index, q_row = torch.zeros(width, dtype=torch.long), torch.full((width,), first_row, dtype=torch.int32)
     q_pos = torch.full((width,), -1, dtype=torch.int32)

@@ -102,8 +102,8 @@ class ModelRunner:
             attention = "flex" if self.device.type == "cuda" else "sdpa"
         self.attention = "native" if model.cpu_kernels else attention
         self.compile_attention = self.device.type == "cuda" if compile_attention is None else compile_attention
-        self.block_logical = torch.zeros(cache.num_blocks + 1, dtype=torch.int32, device=self.device)
         if self.attention == "flex":
+            self.block_logical = torch.zeros(cache.num_blocks + 1, dtype=torch.int32, device=self.device)
             # Flex attention multiplies the masked slots of a partial block (a sequence's unwritten tail) by a
             # zero weight: memory never written could hold NaN bit patterns, and 0 * NaN is NaN. Written
             # slots are finite, so zeroing once suffices (on a GPU a memset of the cache takes milliseconds).
@@ -279,10 +279,11 @@ class ModelRunner:
         input_ids, positions, slot_mapping = torch.tensor(ids), torch.tensor(pos), torch.tensor(slots)
         if self.attention == "native":
             return input_ids, positions, self._kernel_metadata(order, tables, positions, slot_mapping), last_rows
-        if self.attention == "flex":
-            meta = AttentionMetadata(slot_mapping.to(self.device), paged=self._paged(order, tables, positions))
-            return input_ids.to(self.device), positions.to(self.device), meta, last_rows
         num_decodes = sum(1 for c in order if len(c.token_ids) == 1)
+        if self.attention == "flex":
+            paged = self._paged(order, num_decodes, tables, positions)
+            meta = AttentionMetadata(slot_mapping.to(self.device), paged=paged)
+            return input_ids.to(self.device), positions.to(self.device), meta, last_rows
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes)
         if num_decodes:
             ctx = torch.tensor([c.start_pos + 1 for c in order[:num_decodes]])
@@ -303,9 +304,9 @@ class ModelRunner:
         meta = _to_device(meta, self.device)
         return input_ids.to(self.device), positions.to(self.device), meta, last_rows
 
-    def _paged(self, order: list[SeqChunk], tables: list[list[int]], positions: torch.Tensor) -> PagedAttention:
+    def _paged(self, order: list[SeqChunk], num_decodes: int, tables: list[list[int]],
+               positions: torch.Tensor) -> PagedAttention:
         """Flex attention's calls: the decodes (one query row each), then the prefill chunks (one row)."""
-        num_decodes = sum(1 for c in order if len(c.token_ids) == 1)
         rows = []
         if num_decodes:
             padded = torch.full((decode_size(num_decodes),), -1)
