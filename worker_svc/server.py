@@ -193,7 +193,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     block_bytes = bytes_per_block(loaded.config, cfg.block_size, dtype)
     memory = None
     if device.type == "cuda" and cfg.kv_cache_bytes is None:
-        memory = profile_step(loaded, cfg.block_size, min(cfg.profile_tokens, loaded.max_model_len), device, dtype)
+        memory = profile_step(loaded, cfg.block_size, min(cfg.profile_tokens, loaded.max_model_len), device, dtype,
+                              cfg.attention)
     num_blocks = kv_budget_bytes(device, cfg.kv_cache_bytes, cfg.gpu_memory_utilization, memory) // block_bytes
     if num_blocks < 1:
         if memory is not None:
@@ -230,13 +231,13 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
 
 @torch.inference_mode()
 def profile_step(loaded: LoadedModel, block_size: int, tokens: int, device: torch.device,
-                 dtype: torch.dtype) -> GpuMemory:
+                 dtype: torch.dtype, attention: str = "auto") -> GpuMemory:
     """Run one step of a ``tokens``-token prompt (the largest step the scheduler sends) in a scratch cache,
-    sampling after it, and measure the memory it took. On a CPU it runs as well (the tests' check of this code); the figures are
-    PyTorch's CUDA statistics, zero there."""
+    sampling after it, with the ``attention`` the worker serves with, and measure the memory it took. On a
+    CPU it runs as well (the tests' check of this code); the figures are PyTorch's CUDA statistics, zero there."""
     num_blocks = -(-tokens // block_size)
     scratch = KVCache.allocate(loaded.config, block_size, num_blocks, device, dtype)
-    runner = ModelRunner(loaded.model, scratch, loaded.max_model_len)
+    runner = ModelRunner(loaded.model, scratch, loaded.max_model_len, attention=attention)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
