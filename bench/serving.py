@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conveyor.client import Client  # noqa: E402
-from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
+from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 from worker_svc.graphs import CudaGraph  # noqa: E402
 from worker_svc.kv_cache import KVCache  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
@@ -110,6 +110,9 @@ def main() -> None:
     runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, device, dtype),
                          loaded.max_model_len, seed=0, graphs=CudaGraph.factory() if device.type == "cuda" else None,
                          max_graph_batch=max(args.concurrency))
+    if runner.graphs is not None:  # as the served worker does before it serves: no capture inside a timed round
+        with torch.inference_mode():
+            runner.graphs.capture_all()
     free = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
     stack = start(UpConfig(model=args.model, device=args.device, port=free_port(), worker_port=0, scheduler_port=0,
                            detokenizer_port=0, deliver_port=0, kv_cache_bytes=args.kv_cache_bytes, log_level="WARNING",
