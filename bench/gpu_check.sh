@@ -55,7 +55,7 @@ setup() {
         local from=()
         [ -d "$PREP/wheels" ] && from=(--no-index --find-links "$PREP/wheels")
         echo "installing: $lacking"
-        export PIP_BREAK_SYSTEM_PACKAGES=1  # no venv could be made: the machine's own Python, marked or not
+        export PIP_BREAK_SYSTEM_PACKAGES=1  # for the machine's own Python when no venv could be made
         # shellcheck disable=SC2086
         "$PY" -m pip install -q "${from[@]}" $lacking || return 1
     fi
@@ -93,7 +93,6 @@ started=$SECONDS
 setup > "$OUT/setup.txt" 2>&1 || { note "set-up failed: see setup.txt"; tail -n 30 "$OUT/setup.txt"; exit 1; }
 note "setup: done after $((SECONDS - started)) s"
 choose_model > "$OUT/model.txt" 2>&1 || { note "no model: see model.txt"; tail -n 30 "$OUT/model.txt"; exit 1; }
-MODEL=$(sed -n 's/^model: //p' "$OUT/model.txt")
 note "model: $MODEL"
 
 part tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" --junitxml="$OUT/tests.xml"
