@@ -9,7 +9,8 @@
 
 Options (keyword arguments of ``generate``, ``stream`` and ``chat``): ``temperature``, ``top_k``,
 ``top_p``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-``logit_bias`` ({token id: bias}), ``seed``, ``logprobs`` (alternatives per token), ``max_tokens``,
+``logit_bias`` ({token id: bias}), ``seed``, ``logprobs`` (alternatives per token), ``prompt_logprobs``
+(score the prompt: each token's logprob after the first, with this many alternatives), ``max_tokens``,
 ``min_tokens``, ``stop`` (strings), ``stop_token_ids``, ``ignore_eos``,
 ``include_stop_str_in_output``, ``request_id``, ``timeout`` (seconds, the call's deadline) and, for
 chat, ``add_generation_prompt``. Server errors are raised as the ``conveyor.errors`` class of
@@ -43,7 +44,7 @@ from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc
 from conveyor.wire import FINISH_FROM_PB
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "logprobs")
+             "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
 _STOP = ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output")
 
 
@@ -66,6 +67,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # on the first delta: prompt tokens 1, 2, ...
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1, 2, ... (prompt_logprobs=)
 
     @classmethod
     def from_deltas(cls, deltas: list[Delta]) -> Completion:
@@ -86,6 +89,7 @@ class Completion:
         return cls(
             last.request_id, "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
             last.finish_reason, last.prompt_tokens, last.completion_tokens, [lp for d in deltas for lp in d.logprobs],
+            [lp for d in deltas for lp in d.prompt_logprobs],
         )
 
 
@@ -135,10 +139,13 @@ def build_tokenize_request(prompt: str | None, messages: list[dict] | None) -> c
     return request
 
 
+def _logprobs(entries) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob, [(a.token_id, a.logprob) for a in lp.top]) for lp in entries]
+
+
 def _delta(pb: conveyor_pb2.GenerateResponse) -> Delta:
-    logprobs = [TokenLogprob(lp.token_id, lp.logprob, [(a.token_id, a.logprob) for a in lp.top]) for lp in pb.logprobs]
     return Delta(pb.request_id, pb.text, list(pb.token_ids), pb.first_token_index, FINISH_FROM_PB[pb.finish_reason],
-                 pb.prompt_tokens, pb.completion_tokens, logprobs)
+                 pb.prompt_tokens, pb.completion_tokens, _logprobs(pb.logprobs), _logprobs(pb.prompt_logprobs))
 
 
 def _error(exc: grpc.RpcError) -> ConveyorError:

@@ -15,6 +15,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -393,9 +394,20 @@ def _health_status(serving: bool):
     return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _process_up(metrics, serving: bool) -> None:
-    if metrics is not None:
-        metrics.get("conveyor_process_up").set(1 if serving else 0)
+ERROR_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL")
+
+
+def _process_up(metrics, serving: bool, service_names: list[str] = ()) -> None:
+    """``conveyor_process_up``, and every error series of the services' methods at 0 (a dashboard shows 0
+    errors from the start, not "no data" until the first one)."""
+    if metrics is None:
+        return
+    metrics.get("conveyor_process_up").set(1 if serving else 0)
+    errors = metrics.get("conveyor_grpc_errors_total")
+    for name in service_names:
+        for method in descriptor_pool.Default().FindServiceByName(name).methods:
+            for code in ERROR_CODES:
+                errors.labels(method=f"/{name}/{method.name}", code=code)
 
 
 def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
@@ -412,7 +424,7 @@ def set_serving(health_servicer: health.HealthServicer, service_names: list[str]
     """Set the health of the process and its services (and ``conveyor_process_up`` when given)."""
     for name in ["", *service_names]:
         health_servicer.set(name, _health_status(serving))
-    _process_up(metrics, serving)
+    _process_up(metrics, serving, service_names)
 
 
 async def add_aio_health_and_reflection(server: grpc.aio.Server, service_names: list[str]):
@@ -428,7 +440,7 @@ async def set_aio_serving(health_servicer, service_names: list[str], serving: bo
     """``set_serving`` for the health of an asyncio server."""
     for name in ["", *service_names]:
         await health_servicer.set(name, _health_status(serving))
-    _process_up(metrics, serving)
+    _process_up(metrics, serving, service_names)
 
 
 def server_credentials(cert: str, key: str, client_ca: str = "",

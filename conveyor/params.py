@@ -74,6 +74,7 @@ class RequestParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; N: the sampled token's plus N alternatives
+    prompt_logprobs: int | None = None  # None: off; N: every prompt token's after the first, plus N alternatives
     # stopping
     max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0

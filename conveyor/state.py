@@ -17,7 +17,9 @@ Layout (all keys under one prefix, ``--redis-prefix``, default ``conveyor``):
     ``first_token`` / ``finish`` (Unix seconds), ``num_output`` (output tokens so far), ``finish_reason``
     (``stop`` | ``length`` | ``abort`` | ``error``), ``error`` (with ``error``: what failed),
     ``stopped_by_token`` (``1`` when an eos / stop token ended it: that token has no text), ``engine``
-    (the engine holding it: ``conveyor.engines``).
+    (the engine holding it: ``conveyor.engines``), ``prompt_logprobs`` (JSON, when the request asked for them:
+    one ``[token id, logprob, rank, [[id, logprob], ...]]`` per prompt token from the second; written with the
+    first output token).
 ``{prefix}:req:{key}:out`` list
     The output token ids, appended once per step (position in the list = index in the output).
 ``{prefix}:alias:{owner as hex}:{client_id}`` string
@@ -81,6 +83,7 @@ class RequestRecord:
     client_id: str = ""  # the client's name for it ("" : the key itself)
     error: str | None = None  # with finish_reason "error"
     engine: str = ""  # the engine that holds it (conveyor.engines)
+    prompt_logprobs: list | None = None  # see the layout above
 
     def __post_init__(self):
         self.client_id = self.client_id or self.request_id
@@ -94,6 +97,8 @@ class RequestRecord:
         }
         if self.stopped_by_token:
             fields["stopped_by_token"] = "1"
+        if self.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = json.dumps(self.prompt_logprobs, separators=(",", ":"))
         for name in ("first_token", "finish", "finish_reason", "error"):
             value = getattr(self, name)
             if value is not None:
@@ -112,6 +117,7 @@ class RequestRecord:
             first_token=number("first_token"), finish=number("finish"), finish_reason=raw.get("finish_reason"),
             stopped_by_token=raw.get("stopped_by_token") == "1", owner=raw.get("owner", ""), output_ids=output_ids,
             client_id=raw.get("client_id", ""), error=raw.get("error"), engine=raw.get("engine", ""),
+            prompt_logprobs=json.loads(raw["prompt_logprobs"]) if "prompt_logprobs" in raw else None,
         )
 
 
@@ -182,6 +188,11 @@ class RequestStore:
             return None
         return int(num_output or 0), status == b"finished"
 
+    def prompt_logprobs(self, request_id: str) -> list | None:
+        """The request's scored prompt (``prompt_logprobs`` in the layout), once its first token is written."""
+        raw = self.redis.hget(self.key(request_id), "prompt_logprobs")
+        return json.loads(raw) if raw is not None else None
+
     def set_frontend(self, request_id: str, address: str) -> None:
         """Deliver this request's deltas to another frontend from now on (a client resumed there)."""
         self.redis.hset(self.key(request_id), "frontend", address)
@@ -240,9 +251,10 @@ class StepWriter:
         self._expect(request_id, 0, exact=False)
         self._queued(request_id)
 
-    def tokens(self, request_id: str, token_ids: list[int], num_output: int, first_token: float | None) -> None:
+    def tokens(self, request_id: str, token_ids: list[int], num_output: int, first_token: float | None,
+               prompt_logprobs: list | None = None) -> None:
         """Append new output tokens, the last at index ``num_output - 1``; ``first_token`` is set when
-        these include the first."""
+        these include the first, and ``prompt_logprobs`` with it when the request asked for them."""
         key, out = self.store.key(request_id), self.store.out_key(request_id)
         before = num_output - len(token_ids)  # a retried append must not add twice: cut back to before it
         if before:
@@ -254,8 +266,10 @@ class StepWriter:
         fields = {"num_output": num_output, "status": "running"}
         if first_token is not None:
             fields["first_token"] = repr(first_token)
+        if prompt_logprobs is not None:
+            fields["prompt_logprobs"] = json.dumps(prompt_logprobs, separators=(",", ":"))
         self.pipe.hset(key, mapping=fields)
-        self._expect(request_id, 1 if first_token is not None else 0, exact=False)
+        self._expect(request_id, len(fields) - 2, exact=False)  # only the new fields may be created
         self._queued(request_id)
 
     def finished(self, request_id: str, alias: str, reason: str, num_output: int, now: float, trim: bool = False,

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from conveyor.engines import Lease, Registry
-from conveyor.errors import NotFound, Unavailable
+from conveyor.errors import InvalidArgument, NotFound, Unavailable
 from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.metrics import Metrics
-from scheduler_svc.policy import Counters, Output, Scheduler, StepPlan
+from scheduler_svc.policy import Answer, Counters, Output, Scheduler, StepPlan
 from scheduler_svc.request import Request
 
 log = logging.getLogger("conveyor.scheduler")
@@ -31,22 +31,26 @@ MAX_REWRITES = 3  # times a step rewrites a record Redis refuses before that req
 
 
 class StepFailed(Exception):
-    """The worker answered a step with an error (it is alive: a request may have caused it).
-    ``culprit``: the sequence the worker named, when it could tell."""
+    """A step failed and the worker is not to blame for being down: it answered with an error (a request may
+    have caused it), or the step could not even be built or sent because of one request's data.
+    ``culprit``: the sequence at fault, when known. ``fatal``: the culprit's own data is at fault (retrying
+    it alone cannot help): it ends at once with "error"."""
 
-    def __init__(self, message: str, culprit: str | None = None):
+    def __init__(self, message: str, culprit: str | None = None, fatal: bool = False):
         super().__init__(message)
         self.culprit = culprit
+        self.fatal = fatal
 
 
 class StepTransport(Protocol):
     """How steps reach the worker: sent in order, answered in order."""
 
     def send(self, plan: StepPlan) -> None:
-        """Queue a step on the worker (returns at once)."""
+        """Queue a step on the worker (returns at once). Raises ``StepFailed`` with ``fatal`` when one
+        request's data cannot be put on the wire (nothing of the step is sent then)."""
 
-    def receive(self, plan: StepPlan) -> dict[str, tuple[int, object]]:
-        """Wait for the answer to the oldest unanswered step (``plan``): request id -> (token, logprobs).
+    def receive(self, plan: StepPlan) -> Answer:
+        """Wait for the answer to the oldest unanswered step (``plan``).
         Raises ``StepFailed`` when the worker refused or failed the step, ``TimeoutError`` when it did not
         answer within the step timeout, anything else when the connection broke."""
 
@@ -86,6 +90,9 @@ class Engine:
         self.on_health: Callable[[bool], None] = lambda serving: None  # health follows worker and Redis
         # the loop died of an unexpected error: the server goes NOT_SERVING and exits non-zero
         self.on_crash: Callable[[BaseException], None] = lambda exc: None
+        # raises when a request's data cannot go on the wire to the worker (the server supplies it): such a
+        # request is refused at submission instead of failing a step later
+        self.check_request: Callable[[Request], None] = lambda request: None
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -100,8 +107,13 @@ class Engine:
             return len(self.scheduler.waiting)
         if not self._mine(record):  # it moved (this engine's lease lapsed, or the frontend chose again)
             raise Unavailable(f"request {request_id!r} is held by engine {record.engine!r}, not {self.name!r}")
+        request = Request.from_record(record, self.eos_token_ids)
+        try:
+            self.check_request(request)
+        except Exception as exc:  # noqa: BLE001 - whatever its data raised: this request is refused, alone
+            raise InvalidArgument(f"request {request_id!r} cannot be computed: {type(exc).__name__}: {exc}") from exc
         with self.cond:
-            self.scheduler.add(Request.from_record(record, self.eos_token_ids))
+            self.scheduler.add(request)
             self.cond.notify()
             return len(self.scheduler.waiting)
 
@@ -231,7 +243,7 @@ class Engine:
                 log.info("the worker answers again; continuing")
                 self._set_health(worker_up=True)
             with self.cond:
-                outputs = self.scheduler.update(sent, sampled)
+                outputs = self.scheduler.update(sent, sampled.sampled, scored=sampled.scored)
             self._observe(sent, outputs)
             self._write_and_publish(sent, outputs, sent_decided)
 
@@ -284,9 +296,9 @@ class Engine:
     def _recover(self, plan: StepPlan, exc: Exception, backoff: float, dropped) -> float:
         """The worker failed: blame what caused it, requeue everything for recompute, write what was
         decided, reconnect."""
-        if isinstance(exc, StepFailed):  # the worker is alive and said no: maybe one request's fault
+        if isinstance(exc, StepFailed):  # the worker is alive and said no, or a request's data broke the step
             with self.cond:
-                self.decided += self.scheduler.step_failed(plan, exc.culprit, str(exc))
+                self.decided += self.scheduler.step_failed(plan, exc.culprit, str(exc), exc.fatal)
         self._worker_failed(plan, exc, backoff)
         for dropped_plan, dropped_decided in dropped:
             self._write_and_publish(dropped_plan, [], dropped_decided)
@@ -333,8 +345,11 @@ class Engine:
             self.cond.wait(timeout=0.5)
 
     def _worker_failed(self, plan: StepPlan, exc: Exception, backoff: float) -> None:
-        refused = isinstance(exc, StepFailed)  # the worker answered: it is up, the step was bad
-        if refused:
+        refused = isinstance(exc, StepFailed)  # the worker answered (it is up), or a request's data was bad
+        if refused and exc.fatal:
+            log.warning("step %d could not be sent: request %s's data is bad (%s); it ends with an error, %d running "
+                        "requests are recomputed", plan.step, exc.culprit, exc, len(self.scheduler.running))
+        elif refused:
             log.warning("worker step %d failed (%s); requeueing %d running requests, suspects run alone",
                         plan.step, exc, len(self.scheduler.running))
         elif self.worker_up:
@@ -438,7 +453,8 @@ class Engine:
         for output in outputs:
             request = output.request
             first = request.first_token_time if output.first_index == 0 else None
-            writer.tokens(request.request_id, output.token_ids, output.end, first)
+            prompt = request.prompt_logprobs if output.first_index == 0 else None  # with the first token, once
+            writer.tokens(request.request_id, output.token_ids, output.end, first, prompt)
             touched[request.request_id] = request
         for output in [*outputs, *decided]:
             if output.finish_reason is not None:

@@ -90,6 +90,16 @@ class Output:
 
 
 @dataclass
+class Answer:
+    """The worker's answer to a step. ``sampled``: request id -> (token id, (logprob, alternatives) or None);
+    ``scored``: request id -> (position of the first, [(token id, logprob, rank, alternatives)]), the prompt
+    tokens scored for requests that asked for prompt_logprobs."""
+
+    sampled: dict[str, tuple[int, object]]
+    scored: dict[str, tuple[int, list]] = field(default_factory=dict)
+
+
+@dataclass
 class Counters:
     steps: int = 0
     preemptions: int = 0
@@ -203,12 +213,16 @@ class Scheduler:
         self.to_free.clear()
         self.free_all = True
 
-    def step_failed(self, plan: StepPlan, culprit: str | None, error: str) -> list[Output]:
+    def step_failed(self, plan: StepPlan, culprit: str | None, error: str, fatal: bool = False) -> list[Output]:
         """The worker failed ``plan`` (call before ``reset_worker``). ``culprit``: the sequence the worker
         named, when it could. A request is blamed when named, or when it was alone in the step; unnamed,
         everyone in the step becomes a suspect and runs in steps of its own (``schedule``) until it gets
         a token, which finds the culprit without holding the others back. A request blamed
-        ``max_step_failures`` times ends with "error"; its Output is returned."""
+        ``max_step_failures`` times ends with "error"; its Output is returned. ``fatal``: the culprit's
+        own data broke the step (it could not be sent): it ends at once."""
+        if fatal and culprit is not None and (request := self.requests.get(culprit)) is not None:
+            request.error = f"this request's data could not be sent to the worker ({error})"
+            return [self._finish(request, "error")]
         involved = [c.request for c in plan.chunks if self.requests.get(c.request.request_id) is c.request]
         if culprit is not None:
             involved = [r for r in involved if r.request_id == culprit]
@@ -321,7 +335,8 @@ class Scheduler:
         for it are free; ``make_room``: preempt running requests of a worse priority (the last first) until
         they are. Its longest cached prefix is taken from the prefix cache, not computed (nor counted in
         ``budget``)."""
-        hits = self.blocks.match(request.tokens, request.num_tokens)
+        # a request that scores its prompt computes all of it: cached blocks would skip the positions it scores
+        hits = [] if request.scores_prompt else self.blocks.match(request.tokens, request.num_tokens)
         cached = len(hits) * self.blocks.block_size
         n = min(request.num_tokens - cached, budget)
 
@@ -357,8 +372,10 @@ class Scheduler:
         self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens))
         return chunk
 
-    def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None) -> list[Output]:
-        """Apply a step's results: ``sampled`` maps request id -> (token id, logprobs or None).
+    def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None,
+               scored: dict[str, tuple[int, list]] | None = None) -> list[Output]:
+        """Apply a step's results: ``sampled`` maps request id -> (token id, logprobs or None); ``scored``: the
+        prompt tokens scored (``Answer.scored``), kept until they are written with the first token.
 
         Requests aborted or finished while the step ran are skipped (their results are dropped)."""
         now = time.time() if now is None else now
@@ -366,7 +383,11 @@ class Scheduler:
         for chunk in plan.chunks:
             request = chunk.request
             stale = chunk.epoch != request.epoch or self.requests.get(request.request_id) is not request
-            if not chunk.sample or stale or request.status is not Status.RUNNING:
+            if stale or request.status is not Status.RUNNING:
+                continue
+            if scored and request.request_id in scored:
+                request.keep_scores(*scored[request.request_id])
+            if not chunk.sample:
                 continue
             request.samples_in_flight -= 1
             request.suspect = False  # a step that held it succeeded

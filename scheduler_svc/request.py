@@ -44,6 +44,9 @@ class Request:
     failures: int = 0  # failed steps this request is known to have caused
     engine: str = ""  # the engine holding it (kept to rewrite the Redis record whole)
     order: int = 0  # when the scheduler added it, among the requests it holds (ties of arrival)
+    # prompt_logprobs: one entry per prompt token from the second, (token id, logprob, rank, alternatives);
+    # filled as the chunks are computed, written to Redis with the first output token
+    prompt_logprobs: list | None = None
 
     @classmethod
     def from_record(cls, record: RequestRecord, eos_token_ids: tuple[int, ...]) -> Request:
@@ -52,6 +55,7 @@ class Request:
             record.request_id, record.prompt_ids, record.params, record.params.stop_ids(eos_token_ids),
             record.arrival, output_ids=list(record.output_ids), first_token_time=record.first_token,
             frontend=record.frontend, owner=record.owner, client_id=record.client_id, engine=record.engine,
+            prompt_logprobs=record.prompt_logprobs,
         )
 
     def to_record(self, now: float) -> RequestRecord:
@@ -61,7 +65,19 @@ class Request:
             self.request_id, self.prompt_ids, self.params, self.frontend, self.arrival, self.status.value,
             len(self.output_ids), self.first_token_time, now if finished else None, self.finish_reason,
             self.stopped_by_token, self.owner, list(self.output_ids), self.client_id, self.error, self.engine,
+            self.prompt_logprobs if self.output_ids else None,
         )
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt_logprobs and has none yet (once the first token is out they were written)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
+
+    def keep_scores(self, first_position: int, entries: list) -> None:
+        """Prompt tokens the worker scored, from ``first_position`` (a recompute scores the same ones again)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * (len(self.prompt_ids) - 1)
+        self.prompt_logprobs[first_position - 1 : first_position - 1 + len(entries)] = entries
 
     @property
     def priority(self) -> int:

@@ -26,7 +26,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, StepFailed
 from scheduler_svc.membership import Membership
-from scheduler_svc.policy import Output, Scheduler, StepPlan
+from scheduler_svc.policy import Answer, Output, Scheduler, StepPlan
 from scheduler_svc.request import Request, Status
 
 log = logging.getLogger("conveyor.scheduler")
@@ -43,29 +43,45 @@ def sampling_pb(request: Request) -> worker_pb2.SamplingParams:
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, seed=p.seed, min_tokens=p.min_tokens,
         stop_token_ids=request.stop_ids, top_logprobs=p.logprobs or 0, logprobs=p.logprobs is not None,
+        prompt_logprobs=p.prompt_logprobs if request.scores_prompt else None,
     )
 
 
+def chunk_pb(c) -> worker_pb2.SequenceChunk:
+    chunk = worker_pb2.SequenceChunk(seq_id=c.request.request_id, token_ids=c.token_ids, start_pos=c.start_pos,
+                                     new_block_ids=c.new_blocks, sample=c.sample, decode_last=c.decode_last)
+    if c.registers:
+        chunk.sampling.CopyFrom(sampling_pb(c.request))
+        chunk.num_prompt_tokens = len(c.request.prompt_ids)
+        chunk.cached_token_ids.extend(c.cached_ids)
+    return chunk
+
+
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
+    """The step on the wire. A chunk whose request's data does not fit the wire (a value out of a field's
+    range: a bug upstream, or a record written by an older frontend) fails that request alone
+    (``StepFailed`` with ``fatal``), never the worker's health or the other requests."""
     chunks = []
     for c in plan.chunks:
-        chunk = worker_pb2.SequenceChunk(seq_id=c.request.request_id, token_ids=c.token_ids, start_pos=c.start_pos,
-                                         new_block_ids=c.new_blocks, sample=c.sample, decode_last=c.decode_last)
-        if c.registers:
-            chunk.sampling.CopyFrom(sampling_pb(c.request))
-            chunk.num_prompt_tokens = len(c.request.prompt_ids)
-            chunk.cached_token_ids.extend(c.cached_ids)
-        chunks.append(chunk)
+        try:
+            chunks.append(chunk_pb(c))
+        except Exception as exc:  # noqa: BLE001 - whatever this request's data raised, it is this request's
+            raise StepFailed(f"{type(exc).__name__}: {exc}", c.request.request_id, fatal=True) from exc
     return worker_pb2.StepRequest(step_id=plan.step, chunks=chunks, free_seq_ids=plan.free_ids, free_all=plan.free_all)
 
 
-def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> dict[str, tuple[int, object]]:
+def _alternatives(t: worker_pb2.SampledToken) -> list[tuple[int, float]]:
+    return [(a.token_id, a.logprob) for a in t.top_logprobs]
+
+
+def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
     wants = {c.request.request_id: c.request.params.logprobs is not None for c in plan.chunks}
-    out = {}
-    for t in reply.tokens:
-        logprobs = (t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs]) if wants.get(t.seq_id) else None
-        out[t.seq_id] = (t.token_id, logprobs)
-    return out
+    sampled = {t.seq_id: (t.token_id, (t.logprob, _alternatives(t)) if wants.get(t.seq_id) else None)
+               for t in reply.tokens}
+    scored = {p.seq_id: (p.first_position, [(t.token_id, t.logprob, rank, _alternatives(t))
+                                            for t, rank in zip(p.tokens, p.ranks)])
+              for p in reply.prompt_logprobs}
+    return Answer(sampled, scored)
 
 
 def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatch:
@@ -115,7 +131,7 @@ class StepChannel:
     def send(self, plan: StepPlan) -> None:
         self.requests.put(plan_to_pb(plan))
 
-    def receive(self, plan: StepPlan) -> dict[str, tuple[int, object]]:
+    def receive(self, plan: StepPlan) -> Answer:
         try:
             reply = self.replies.get(timeout=self.step_timeout)
         except queue.Empty:
@@ -273,6 +289,7 @@ def build_engine(cfg: SchedulerConfig, metrics: Metrics, lease: Lease | None = N
 
     engine = Engine(scheduler, store, StepChannel(worker, cfg.step_timeout), Publisher(detokenizer),
                     tuple(info.eos_token_ids), metrics=metrics, name=cfg.engine, lease=lease)
+    engine.check_request = sampling_pb  # raises for data that cannot go on the wire: refused at submission
     watch_redis(store, metrics)
     public = scheduler_pb2.SchedulerInfoResponse(
         model_name=info.model_name, max_model_len=max_len, eos_token_ids=info.eos_token_ids,

@@ -80,9 +80,10 @@ def test_chat_stream_sends_the_role_once_one_finish_and_the_usage_before_done(ba
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 10
     assert len({c["id"] for c in events[:-1]}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert [("role" in c["choices"][0]["delta"]) for c in chunks] == [True] + [False] * (len(chunks) - 1)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # role alone, as OpenAI
     assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    plain = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False},
+    plain = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "stream_options": None},
                        headers={"Authorization": f"Bearer {KEY}"}, timeout=120).json()
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == plain["choices"][0]["message"]["content"]
 

@@ -45,6 +45,9 @@ class ClientDelta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # on the first delta, when the request asked for prompt_logprobs: one (token id, logprob, rank, alternatives)
+    # per prompt token from the second
+    prompt_logprobs: list | None = None
 
 
 STALL_SECONDS = 1.0
@@ -63,6 +66,8 @@ class ClientStream:
         self.last_activity = time.monotonic()
         self.last_check = 0.0
         self.suspect: tuple[int, bool] | None = None  # Redis's (tokens, finished) at the last look, when ahead
+        self.prompt_ids: list[int] = []
+        self.scores_prompt = False  # it asked for prompt_logprobs: the first delta brings them (from Redis)
         self._queue: queue.Queue[ClientDelta] = queue.Queue()
         self.wake: Callable[[], None] = lambda: None  # called after each delta queued (from any thread)
 
@@ -136,7 +141,7 @@ class Frontend:
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         if inp.prompt_ids is not None:
             return self.tokenizer.decode(inp.prompt_ids), list(inp.prompt_ids)
-        return inp.prompt, self.tokenizer.encode(inp.prompt)
+        return inp.prompt, self.tokenizer.encode(inp.prompt, add_special_tokens=inp.add_special_tokens)
 
     def open(self, inp: GenerateInput, owner: str = "", submit_timeout: float = 60.0) -> ClientStream:
         """Check, tokenize, record in Redis, submit; returns the stream the deltas will arrive on."""
@@ -148,6 +153,7 @@ class Frontend:
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
                                client_id=inp.request_id, engine=engine)
         stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id)
+        stream.prompt_ids, stream.scores_prompt = prompt_ids, params.prompt_logprobs is not None
         with self.lock:
             self.streams[request_id] = stream
         try:
@@ -223,12 +229,18 @@ class Frontend:
                                   f"far, got {token_index}")
         request_id = record.request_id
         stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset, client_id)
+        stream.prompt_ids, stream.scores_prompt = record.prompt_ids, record.params.prompt_logprobs is not None
         with self.lock:
             self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed
         _with_redis(lambda: self.store.set_frontend(request_id, self.address), "claiming the request")
         stream.behind = True
         self.keep_up(stream, claim=True)
         return stream
+
+    def prompt_logprobs(self, stream: ClientStream) -> list:
+        """The request's scored prompt: the scheduler wrote it to Redis with the first token, before that
+        token was published."""
+        return _with_redis(lambda: self.store.prompt_logprobs(stream.request_id), "reading the prompt's logprobs") or []
 
     def failure(self, stream: ClientStream) -> str:
         """Why the server ended a request with finish_reason "error" (recorded in Redis)."""

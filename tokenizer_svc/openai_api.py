@@ -27,11 +27,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from conveyor import grpc_util
-from conveyor.errors import ConveyorError, NotFound
+from conveyor.errors import ConveyorError, InvalidArgument, NotFound
 from conveyor.metrics import Metrics
 from tokenizer_svc.frontend import ClientDelta, ClientStream, Frontend
 from tokenizer_svc.streaming import Blocking, RequestTimer, follow
-from tokenizer_svc.validation import GenerateInput
+from tokenizer_svc.validation import SEED_RANGE, GenerateInput, seed_from_int64
 
 MAX_BODY_BYTES = 8 << 20
 MAX_N = 16
@@ -41,7 +41,8 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
               409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
               503: "service_unavailable", 504: "timeout"}
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-ROUTES = ("/v1/models", "/v1/models/{model}", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+ROUTES = ("/v1/models", "/v1/models/{model}", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+          "/tokenizer_info")
 
 
 class HttpError(Exception):
@@ -118,7 +119,6 @@ def _logit_bias(body: dict) -> dict[int, float]:
 
 def sampling_input(body: dict, chat: bool) -> GenerateInput:
     """The fields both endpoints share (OpenAI's and vLLM's extensions), as the core's input."""
-    number = (int, float)
     max_tokens = _get(body, "max_completion_tokens", (int,)) if chat else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,))
@@ -126,13 +126,16 @@ def sampling_input(body: dict, chat: bool) -> GenerateInput:
         logprobs = _get(body, "top_logprobs", (int,), 0) if _get(body, "logprobs", (bool,), False) else None
     else:
         logprobs = _get(body, "logprobs", (int,))
-    temperature = _get(body, "temperature", number)
+    # vLLM's prompt_logprobs; on completions, echo with logprobs scores the echoed prompt too (OpenAI, vLLM)
+    prompt_logprobs = _get(body, "prompt_logprobs", (int,))
+    if prompt_logprobs is None and not chat and logprobs is not None and _get(body, "echo", (bool,), False):
+        prompt_logprobs = logprobs
     return GenerateInput(
-        temperature=float(temperature) if temperature is not None else None,
+        temperature=_float(body, "temperature"),
         top_p=_float(body, "top_p"), top_k=_get(body, "top_k", (int,)), min_p=_float(body, "min_p"),
         repetition_penalty=_float(body, "repetition_penalty"), presence_penalty=_float(body, "presence_penalty"),
         frequency_penalty=_float(body, "frequency_penalty"), logit_bias=_logit_bias(body),
-        seed=_get(body, "seed", (int,)), logprobs=logprobs, max_tokens=max_tokens,
+        seed=_seed(body), logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=max_tokens,
         min_tokens=_get(body, "min_tokens", (int,), 0), stop=_stop_strings(body),
         stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_get(body, "ignore_eos", (bool,), False),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
@@ -142,7 +145,48 @@ def sampling_input(body: dict, chat: bool) -> GenerateInput:
 
 def _float(body: dict, name: str) -> float | None:
     value = _get(body, name, (int, float))
-    return float(value) if value is not None else None
+    try:
+        return float(value) if value is not None else None
+    except OverflowError:  # an integer past any float
+        raise HttpError(400, f"{name} must be a finite number, got an integer of {len(str(value))} digits",
+                        name) from None
+
+
+def _seed(body: dict) -> int | None:
+    """vLLM's and llama.cpp's seed: any signed 64-bit integer, -1 meaning random."""
+    try:
+        return seed_from_int64(_get(body, "seed", (int,)))
+    except InvalidArgument as exc:
+        raise HttpError(400, str(exc), "seed") from None
+
+
+# Structured output and tools (the structured-output issue implements them). Until then a request that asks for
+# them is refused, never answered with free text as if they had been honoured.
+UNSUPPORTED = ("tools", "functions", "function_call", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "grammar",
+               "json_schema")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A 400 naming the first structured-output or tool field that asks for something (null, an empty list
+    of tools and ``tool_choice: "none"`` ask for nothing)."""
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, [], {}):
+            raise HttpError(400, f"{name} is not supported yet: this server cannot constrain its output", name)
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise HttpError(400, f"tool_choice {json.dumps(choice)[:80]} is not supported yet: this server has no "
+                        "tool calling", "tool_choice")
+    fmt = _get(body, "response_format", (dict,))
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind not in RESPONSE_FORMATS:
+            raise HttpError(400, f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got "
+                            f"{json.dumps(kind)[:80]}", "response_format")
+        if kind != "text":
+            raise HttpError(400, f"response_format.type {kind!r} is not supported yet: this server cannot "
+                            "constrain its output", "response_format")
 
 
 def _messages(body: dict) -> list[dict]:
@@ -205,7 +249,8 @@ class OpenAIApi:
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
-                  Route("/detokenize", self.detokenize, methods=["POST"])]
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/tokenizer_info", self.tokenizer_info, methods=["GET"])]
 
         async def not_found(request: Request, exc) -> Response:
             status = getattr(exc, "status_code", 404)
@@ -297,9 +342,22 @@ class OpenAIApi:
                 inp.prompt = _get(body, "prompt", (str,))
                 if inp.prompt is None:
                     raise HttpError(400, "prompt (a string) or messages is required", "prompt")
+            inp.add_special_tokens = _get(body, "add_special_tokens", (bool,), True)
             _, ids = await self.io.run(self.frontend.render, inp)
             return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.frontend.limits.max_model_len})
         return await self._handle("/tokenize", request, work)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's ``/tokenizer_info``: what a client needs to tokenize as the server does (lm-eval's remote
+        tokenizer reads it, then calls ``/tokenize`` and ``/detokenize``)."""
+        async def work(request, owner):
+            t = self.frontend.tokenizer
+            special = t.special_tokens
+            return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": special.get("eos_token"),
+                                 "bos_token": special.get("bos_token"), "pad_token": special.get("pad_token"),
+                                 "chat_template": t.chat_template, "model_max_length": self.frontend.limits.max_model_len,
+                                 "vocab_size": t.vocab_size})
+        return await self._handle("/tokenizer_info", request, work)
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: token ids back to text."""
@@ -319,8 +377,12 @@ class OpenAIApi:
         if not 1 <= n <= MAX_N:
             raise HttpError(400, f"n must be in [1, {MAX_N}], got {n}", "n")
         stream = _get(body, "stream", (bool,), False)
-        include_usage = stream and bool(_get(_get(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
+        options = _get(body, "stream_options", (dict,))
+        if options is not None and not stream:  # as OpenAI and vLLM
+            raise HttpError(400, "stream_options is only allowed when stream is true", "stream_options")
+        include_usage = stream and bool(_get(options or {}, "include_usage", (bool,), False))
         echo = not chat and _get(body, "echo", (bool,), False)
+        refuse_unsupported(body)
         common = sampling_input(body, chat)
         messages = _messages(body) if chat else None
         inputs = []
@@ -329,7 +391,8 @@ class OpenAIApi:
                 inputs.append(dataclasses.replace(
                     common, messages=messages, prompt=prompt if isinstance(prompt, str) else None,
                     prompt_ids=prompt if isinstance(prompt, list) else None,
-                    seed=common.seed + i if common.seed is not None else None))  # n seeded choices differ, and reproduce
+                    # n seeded choices differ, and reproduce
+                    seed=(common.seed + i) % SEED_RANGE if common.seed is not None else None))
         if len(inputs) > MAX_N:
             raise HttpError(400, f"prompts x n must be at most {MAX_N}, got {len(inputs)}", "n")
         self.auth.open_stream(owner)  # the per-key stream limit counts HTTP requests as it counts gRPC streams
@@ -340,7 +403,8 @@ class OpenAIApi:
             # each choice's text starts with its prompt (token ids: their text)
             echoed = [(i.prompt if i.prompt is not None else self.frontend.tokenizer.decode(i.prompt_ids)) if echo
                       else "" for i in inputs]
-            reply = Reply(self, opened, chat, include_usage, echoed, inputs[0].logprobs is not None)
+            reply = Reply(self, opened, chat, include_usage, echoed, inputs[0].logprobs is not None, n,
+                          _get(body, "prompt_logprobs", (int,)) is not None)
             if stream:
                 return StreamingResponse(reply.events(owner), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
@@ -359,37 +423,68 @@ class Reply:
     """One response: its choices (one stream each, index order), as SSE events or as one JSON body."""
 
     def __init__(self, api: OpenAIApi, streams: list[ClientStream], chat: bool, include_usage: bool,
-                 echoed: list[str], logprobs: bool):
+                 echoed: list[str], logprobs: bool, n: int = 1, vllm_prompt_logprobs: bool = False):
         self.api = api
         self.streams = streams
         self.logprobs = logprobs  # the request asked for them
+        self.vllm_prompt_logprobs = vllm_prompt_logprobs  # vLLM's prompt_logprobs field: returned in its shape
         self.echoed = echoed  # per choice: the prompt its text starts with (``echo``), or ""
         self.chat = chat
         self.include_usage = include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.prompt_tokens = sum(s.prompt_tokens for s in streams)
+        self.prompt_tokens = sum(s.prompt_tokens for s in streams[::n])  # each prompt once, whatever n (OpenAI)
 
     def _deltas(self, index: int) -> AsyncIterator[ClientDelta]:
         api = self.api
         return follow(self.streams[index], api.io, RequestTimer(api.metrics), api.metrics, api.request_timeout)
 
-    def _choice(self, index: int, text: str, finish: str | None, first: bool, logprobs: dict | None) -> dict:
+    def _choice(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
         if self.chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def _logprobs(self, delta: ClientDelta, offset: int) -> dict | None:
+    def _role(self, index: int) -> dict:
+        """A chat stream's first chunk of a choice: the role alone, with empty content (OpenAI, vLLM, llama.cpp)."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def _text(self, token_id: int) -> str:
+        return self.api.frontend.tokenizer.decode([token_id])
+
+    def _echoed_logprobs(self, index: int, scored: list) -> dict:
+        """Completions' logprobs of an echoed prompt: every prompt token, the first with none (OpenAI's shape)."""
+        text = self._text
+        tokens = [text(t) for t in self.streams[index].prompt_ids]
+        return {"tokens": tokens, "token_logprobs": [None] + [lp for _, lp, _, _ in scored],
+                "top_logprobs": [None] + [{text(a): v for a, v in top} for _, _, _, top in scored],
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}
+
+    def _vllm_prompt_logprobs(self, index: int, scored: list) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then {token id: {logprob, rank,
+        decoded_token}} over the token itself and its alternatives."""
+        out: list = [None]
+        for token, logprob, rank, top in scored:
+            entry = {str(a): {"logprob": v, "rank": r, "decoded_token": self._text(a)} for r, (a, v) in
+                     enumerate(top, 1)}
+            entry[str(token)] = {"logprob": logprob, "rank": rank, "decoded_token": self._text(token)}
+            out.append(entry)
+        return out[: len(self.streams[index].prompt_ids)]
+
+    def _logprobs(self, delta: ClientDelta, offset: int, index: int = 0) -> dict | None:
         """A delta's tokens' log-probabilities in the endpoint's shape (None when not asked). ``offset``: where
-        the delta's text starts in the choice's text (completions' ``text_offset``)."""
+        the delta's text starts in the choice's text (completions' ``text_offset``). With ``echo``, the first
+        delta's come after the prompt's."""
         if not self.logprobs:
             return None
-        tokenizer = self.api.frontend.tokenizer
+        out = self._token_logprobs(delta, offset)
+        if not self.chat and self.echoed[index] and delta.prompt_logprobs is not None:
+            echoed = self._echoed_logprobs(index, delta.prompt_logprobs)
+            out = {key: echoed[key] + value for key, value in out.items()}
+        return out
 
-        def text(token_id: int) -> str:
-            return tokenizer.decode([token_id])
+    def _token_logprobs(self, delta: ClientDelta, offset: int) -> dict:
+        text = self._text
 
         if self.chat:
             def entry(token_id: int, logprob: float) -> dict:
@@ -432,6 +527,9 @@ class Reply:
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
         try:
+            if self.chat:
+                for index in range(len(self.streams)):
+                    yield self._chunk([self._role(index)])
             first = [True] * len(self.streams)
             written = [0] * len(self.streams)  # characters of each choice's text sent
             done = 0
@@ -449,8 +547,11 @@ class Reply:
                 finish = FINISH.get(item.finish_reason) if item.finish_reason else None
                 if item.text or finish or first[index] or item.token_ids:
                     text = self.echoed[index] + item.text if first[index] else item.text
-                    logprobs = self._logprobs(item, written[index] + len(text) - len(item.text))
-                    yield self._chunk([self._choice(index, text, finish, first[index], logprobs)])
+                    logprobs = self._logprobs(item, written[index] + len(text) - len(item.text), index)
+                    choice = self._choice(index, text, finish, logprobs)
+                    if self.vllm_prompt_logprobs and item.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self._vllm_prompt_logprobs(index, item.prompt_logprobs)
+                    yield self._chunk([choice])
                     written[index] += len(text)
                     first[index] = False
             if self.include_usage:
@@ -465,11 +566,14 @@ class Reply:
         """The full response; a client that disconnects meanwhile aborts every choice."""
         texts, finishes, completion = list(self.echoed), [None] * len(self.streams), 0
         logprobs: list[dict | None] = [None] * len(self.streams)
+        scored: list[list | None] = [None] * len(self.streams)
 
         async def collect(index: int) -> int:
             count = 0
             async for delta in self._deltas(index):
-                more = self._logprobs(delta, len(texts[index]))
+                if delta.prompt_logprobs is not None:
+                    scored[index] = self._vllm_prompt_logprobs(index, delta.prompt_logprobs)
+                more = self._logprobs(delta, len(texts[index]), index)
                 if more is not None:
                     logprobs[index] = more if logprobs[index] is None else {
                         key: logprobs[index][key] + value for key, value in more.items()}
@@ -480,22 +584,29 @@ class Reply:
             return count
 
         tasks = [asyncio.create_task(collect(i)) for i in range(len(self.streams))]
+        gathered = asyncio.gather(*tasks)
         watch = asyncio.create_task(_disconnected(request))
         try:
-            done, _ = await asyncio.wait([watch, asyncio.gather(*tasks)], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([watch, gathered], return_when=asyncio.FIRST_COMPLETED)
             if watch in done:
                 raise HttpError(499, "the client closed the connection")
-            completion = sum(t.result() for t in tasks)
+            completion = sum(gathered.result())
         finally:
             watch.cancel()
             for task in tasks:
                 task.cancel()
+            gathered.cancel()
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()  # retrieved: a client that left must not log "exception was never retrieved"
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
                         "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
         else:
             choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
                        for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
+        if self.vllm_prompt_logprobs:
+            for choice, entries in zip(choices, scored):
+                choice["prompt_logprobs"] = entries
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.api.model,
                 "choices": choices, "usage": self._usage(completion)}
 

@@ -32,7 +32,7 @@ from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
-from conveyor.wire import FINISH_FROM_PB, FINISH_TO_PB
+from conveyor.wire import FINISH_FROM_PB, FINISH_TO_PB, logprobs_to_pb
 from tokenizer_svc.config import FrontendConfig
 from tokenizer_svc.frontend import ClientDelta, Frontend
 from tokenizer_svc.openai_api import OpenAIApi
@@ -65,6 +65,7 @@ def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
         min_p=_optional(s, "min_p"), repetition_penalty=_optional(s, "repetition_penalty"),
         presence_penalty=_optional(s, "presence_penalty"), frequency_penalty=_optional(s, "frequency_penalty"),
         logit_bias=dict(s.logit_bias), seed=_optional(s, "seed"), logprobs=_optional(s, "logprobs"),
+        prompt_logprobs=_optional(s, "prompt_logprobs"),
         max_tokens=_optional(stop, "max_tokens"), min_tokens=stop.min_tokens, stop=list(stop.stop),
         stop_token_ids=list(stop.stop_token_ids), ignore_eos=stop.ignore_eos,
         include_stop_str_in_output=stop.include_stop_str_in_output,
@@ -89,6 +90,7 @@ def client_delta_to_pb(d: ClientDelta) -> conveyor_pb2.GenerateResponse:
         request_id=d.request_id, text=d.text, token_ids=d.token_ids, first_token_index=d.first_token_index,
         finish_reason=FINISH_TO_PB[d.finish_reason], prompt_tokens=d.prompt_tokens,
         completion_tokens=d.completion_tokens, logprobs=d.logprobs,
+        prompt_logprobs=[logprobs_to_pb(t, (lp, top)) for t, lp, _rank, top in d.prompt_logprobs or ()],
     )
 
 

@@ -119,6 +119,8 @@ async def follow(stream: ClientStream, io: Blocking, timer: RequestTimer, metric
                 timer.finished("error", stream.prompt_tokens)
                 why = await io.run(io.frontend.failure, stream)
                 raise ConveyorError(f"request_id {stream.client_id!r} failed: {why}")
+            if stream.scores_prompt and delta.first_token_index == 0 and delta.token_ids:
+                delta.prompt_logprobs = await io.run(io.frontend.prompt_logprobs, stream)
             yield delta
             timer.sent(delta)
             if delta.finish_reason is not None:

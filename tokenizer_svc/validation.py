@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from conveyor.errors import InvalidArgument
-from conveyor.params import DEFAULT_MAX_TOKENS, RequestParams, SamplingDefaults
+from conveyor.params import RequestParams, SamplingDefaults
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # a name only: Redis keys never contain it (conveyor.state)
@@ -24,6 +24,7 @@ class GenerateInput:
     prompt_ids: list[int] | None = None  # a prompt already tokenized (the HTTP API's token-id prompts)
     messages: list[dict] | None = None  # [{"role": ..., "content": ...}]
     add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # a text prompt's (the model's bos, when it adds one)
     request_id: str = ""
     temperature: float | None = None
     top_k: int | None = None
@@ -35,6 +36,7 @@ class GenerateInput:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     max_tokens: int | None = None
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
@@ -45,6 +47,17 @@ class GenerateInput:
 
 
 MAX_PRIORITY = 1_000_000  # |priority|: room for any scheme of levels, far from integer limits
+MAX_TOP_K = 2**31 - 1  # the worker's wire field is an int32 (any top_k past the vocabulary means "off")
+SEED_RANGE = 2**64  # seeds are unsigned 64-bit on the wire; the HTTP API's signed ones map onto them
+
+
+def seed_from_int64(seed: int | None, name: str = "seed") -> int | None:
+    """A seed as the HTTP API takes it (vLLM's and llama.cpp's): any signed 64-bit integer, -1 meaning "random"
+    (llama.cpp's documented default), as the unsigned seed the core keeps (two's complement)."""
+    if seed is None or seed == -1:
+        return None
+    _check(-(2**63) <= seed < 2**63, name, f"must be a 64-bit signed integer (-1: random), got {seed}")
+    return seed % SEED_RANGE
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,10 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
         _finite(getattr(inp, name), f"sampling.{name}")
     _check(inp.temperature is None or inp.temperature >= 0, "sampling.temperature", f"must be >= 0, got {inp.temperature}")
     _check(inp.top_p is None or 0 < inp.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {inp.top_p}")
-    _check(inp.top_k is None or inp.top_k >= -1, "sampling.top_k", f"must be -1 (off), 0 (off) or positive, got {inp.top_k}")
+    _check(inp.top_k is None or -1 <= inp.top_k <= MAX_TOP_K, "sampling.top_k",
+           f"must be -1 (off), 0 (off) or in [1, {MAX_TOP_K}], got {inp.top_k}")
+    _check(inp.seed is None or 0 <= inp.seed < SEED_RANGE, "sampling.seed",
+           f"must be in [0, 2^64), got {inp.seed}")
     _check(inp.min_p is None or 0 <= inp.min_p <= 1, "sampling.min_p", f"must be in [0, 1], got {inp.min_p}")
     _check(inp.repetition_penalty is None or inp.repetition_penalty > 0, "sampling.repetition_penalty",
            f"must be > 0, got {inp.repetition_penalty}")
@@ -106,8 +122,11 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
     for token, bias in inp.logit_bias.items():
         _check(0 <= token < limits.vocab_size, "sampling.logit_bias", f"token id {token} is not below the vocabulary size {limits.vocab_size}")
         _check(math.isfinite(bias) and -100 <= bias <= 100, "sampling.logit_bias", f"value for token {token} must be in [-100, 100], got {bias}")
-    _check(inp.logprobs is None or inp.logprobs <= limits.max_logprobs, "sampling.logprobs",
-           f"must be at most {limits.max_logprobs}, got {inp.logprobs}")
+    _check(inp.logprobs is None or 0 <= inp.logprobs <= limits.max_logprobs, "sampling.logprobs",
+           f"must be in [0, {limits.max_logprobs}], got {inp.logprobs}")
+    _check(inp.prompt_logprobs is None or 0 <= inp.prompt_logprobs <= limits.max_logprobs, "sampling.prompt_logprobs",
+           f"must be in [0, {limits.max_logprobs}], got {inp.prompt_logprobs}")
+    _check(inp.min_tokens >= 0, "stop.min_tokens", f"must be >= 0, got {inp.min_tokens}")
     _check(inp.max_tokens is None or inp.max_tokens >= 1, "stop.max_tokens", f"must be >= 1, got {inp.max_tokens}")
     _check(inp.max_tokens is None or inp.min_tokens <= inp.max_tokens, "stop.min_tokens",
            f"({inp.min_tokens}) must not exceed stop.max_tokens ({inp.max_tokens})")
@@ -132,7 +151,9 @@ def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
                f"has {num_prompt_tokens} tokens; the limit is {limits.max_prompt_tokens} (--max-prompt-tokens)")
     room = limits.max_model_len - num_prompt_tokens
     _check(room >= 1, "prompt", f"has {num_prompt_tokens} tokens; the max model length is {limits.max_model_len}")
-    max_tokens = inp.max_tokens if inp.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
+    # unset: up to the end of the context, as vLLM, llama.cpp and OpenAI do (a chat UI that never sends it must
+    # not get answers cut mid-sentence)
+    max_tokens = inp.max_tokens if inp.max_tokens is not None else room
     _check(max_tokens <= room, "stop.max_tokens",
            f"({max_tokens}) + prompt ({num_prompt_tokens} tokens) exceeds the max model length {limits.max_model_len}")
     _check(inp.min_tokens <= max_tokens, "stop.min_tokens", f"({inp.min_tokens}) must not exceed max_tokens ({max_tokens})")
@@ -145,7 +166,8 @@ def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
         top_p=pick(inp.top_p, defaults.top_p), min_p=pick(inp.min_p, defaults.min_p),
         repetition_penalty=pick(inp.repetition_penalty, defaults.repetition_penalty),
         presence_penalty=pick(inp.presence_penalty, 0.0), frequency_penalty=pick(inp.frequency_penalty, 0.0),
-        logit_bias=dict(inp.logit_bias), seed=inp.seed, logprobs=inp.logprobs, max_tokens=max_tokens,
+        logit_bias=dict(inp.logit_bias), seed=inp.seed, logprobs=inp.logprobs, prompt_logprobs=inp.prompt_logprobs,
+        max_tokens=max_tokens,
         min_tokens=inp.min_tokens, stop=tuple(inp.stop), stop_token_ids=tuple(inp.stop_token_ids),
         ignore_eos=inp.ignore_eos, include_stop_str_in_output=inp.include_stop_str_in_output, priority=inp.priority,
     )

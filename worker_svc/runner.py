@@ -24,7 +24,7 @@ from worker_svc.attention import (PagedAttention, Rows, decode_rows, decode_size
 from worker_svc.graphs import DecodeGraphs, Graph
 from worker_svc.kv_cache import KVCache
 from worker_svc.model import AttentionMetadata, LlamaModel, PrefillChunk
-from worker_svc.sampling import Sampled, SampleRow, SamplingParams, sample
+from worker_svc.sampling import Sampled, SampleRow, SamplingParams, Scored, sample, score
 
 
 class InvalidStep(InvalidArgument):
@@ -64,8 +64,12 @@ class StepInput:
 
 @dataclass
 class StepResult:
+    """One sequence's answer: its sampled token (None for a chunk that samples nothing), and the prompt tokens
+    this chunk scored (``prompt_logprobs``): (the first one's position, the scores)."""
+
     seq_id: str
-    sampled: Sampled
+    sampled: Sampled | None
+    prompt: tuple[int, list[Scored]] | None = None
 
 
 @dataclass
@@ -75,6 +79,9 @@ class SeqState:
     tokens: list[int] = field(default_factory=list)  # every token fed so far (KV computed)
     block_table: list[int] = field(default_factory=list)
     last_sampled: int | None = None  # for a decode_last chunk of the next step
+    # prompt_logprobs: the hidden state of the last position computed, while the prompt goes on in the next chunk
+    # (it scores that chunk's first token)
+    pending_hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -195,7 +202,8 @@ class ModelRunner:
         order = sorted(step.chunks, key=lambda c: len(c.token_ids) > 1)
         results = self._forward_and_sample(order, staged) if order else []
         for r in results:
-            staged[r.seq_id].last_sampled = r.sampled.token_id
+            if r.sampled is not None:
+                staged[r.seq_id].last_sampled = r.sampled.token_id
         self.seqs.update(staged)  # commit only after the forward succeeded
         position = {c.seq_id: i for i, c in enumerate(step.chunks)}
         return sorted(results, key=lambda r: position[r.seq_id])  # request order
@@ -229,7 +237,8 @@ class ModelRunner:
         if c.registers:
             return SeqState(c.sampling, c.num_prompt_tokens, c.cached_token_ids + c.token_ids, list(c.new_block_ids))
         old = self.seqs[c.seq_id]
-        return SeqState(old.params, old.num_prompt_tokens, old.tokens + c.token_ids, old.block_table + c.new_block_ids)
+        return SeqState(old.params, old.num_prompt_tokens, old.tokens + c.token_ids, old.block_table + c.new_block_ids,
+                        pending_hidden=old.pending_hidden)
 
     def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> list[StepResult]:
         if self.graphs is not None and len(order) <= self.graphs.max_batch and all(len(c.token_ids) == 1 for c in order):
@@ -237,16 +246,38 @@ class ModelRunner:
         else:
             input_ids, positions, meta, last_rows = self._prepare(order, staged)
             hidden = self.model(input_ids, positions, self.cache.layers(), meta)
+        scored = {c.seq_id: self._score_prompt(c, staged[c.seq_id], hidden, last_rows[c.seq_id]) for c in order
+                  if staged[c.seq_id].params.prompt_logprobs is not None}
         sampled = [c for c in order if c.sample]
-        if not sampled:
-            return []
-        rows = torch.tensor([last_rows[c.seq_id] for c in sampled], device=self.device)
-        logits = self.model.logits(hidden[rows])
-        sample_rows = []
-        for c in sampled:
-            s = staged[c.seq_id]
-            sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :]))
-        return [StepResult(c.seq_id, r) for c, r in zip(sampled, sample(logits, sample_rows, self.generator))]
+        results = []
+        if sampled:
+            rows = torch.tensor([last_rows[c.seq_id] for c in sampled], device=self.device)
+            logits = self.model.logits(hidden[rows])
+            sample_rows = []
+            for c in sampled:
+                s = staged[c.seq_id]
+                sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :]))
+            results = [StepResult(c.seq_id, r, scored.pop(c.seq_id, None))
+                       for c, r in zip(sampled, sample(logits, sample_rows, self.generator))]
+        return results + [StepResult(seq_id, None, prompt) for seq_id, prompt in scored.items() if prompt is not None]
+
+    def _score_prompt(self, c: SeqChunk, s: SeqState, hidden: torch.Tensor, last_row: int
+                      ) -> tuple[int, list[Scored]] | None:
+        """The prompt tokens this chunk computes, scored (prompt_logprobs): the row of position p predicts the
+        token at p + 1, so a chunk's first token is scored by the previous chunk's last row (kept in
+        ``pending_hidden``), and position 0 is never scored."""
+        end = c.start_pos + len(c.token_ids)
+        first = c.start_pos if c.start_pos >= 1 and s.pending_hidden is not None else c.start_pos + 1
+        last = min(end, s.num_prompt_tokens)  # positions [first, last) are scored
+        row0 = last_row - (len(c.token_ids) - 1)  # the row of position start_pos
+        result = None
+        if first < last:
+            rows = hidden[row0 + first - 1 - c.start_pos + (first == c.start_pos) : row0 + last - 1 - c.start_pos]
+            if first == c.start_pos:
+                rows = torch.cat([s.pending_hidden.unsqueeze(0), rows])
+            result = (first, score(self.model.logits, rows, s.tokens[first:last], s.params.prompt_logprobs))
+        s.pending_hidden = hidden[last_row].clone() if end < s.num_prompt_tokens else None
+        return result
 
     def _replay(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> torch.Tensor:
         """A step of decodes only, from its captured graph."""

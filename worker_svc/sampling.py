@@ -41,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0  # how many alternatives to return with each sampled token
     logprobs: bool = False  # the sampled token's log-probability (implied by top_logprobs > 0)
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives each (None: off)
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +66,42 @@ class Sampled:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class Scored:
+    """A prompt token scored: its log-probability given the tokens before it, its rank there (1: the most
+    likely), and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]]
+
+
+SCORE_ROWS = 512  # rows scored at a time: (rows, vocab) fp32 logits stay a few hundred MB at most
+
+
+def score(logits_of, hidden: torch.Tensor, targets: list[int], top: int) -> list[Scored]:
+    """Score ``targets[i]`` under the distribution of ``hidden[i]`` (``logits_of``: hidden -> fp32 logits), in
+    slices of ``SCORE_ROWS`` rows, brought to the host in one copy per slice."""
+    out: list[Scored] = []
+    for at in range(0, len(targets), SCORE_ROWS):
+        logp = torch.log_softmax(logits_of(hidden[at : at + SCORE_ROWS]), dim=-1)  # (m, V)
+        want = torch.tensor(targets[at : at + SCORE_ROWS], device=logp.device).unsqueeze(1)
+        chosen = logp.gather(1, want)  # (m, 1)
+        parts = [chosen.flatten().double(), ((logp > chosen).sum(-1) + 1).double()]
+        if top:
+            best = torch.topk(logp, top, dim=-1)
+            parts += [best.indices.flatten().double(), best.values.flatten().double()]
+        host = torch.cat(parts).tolist()
+        m = len(want)
+        for i in range(m):
+            at_top = 2 * m + i * top
+            alternatives = [(int(t), v) for t, v in zip(host[at_top : at_top + top],
+                                                         host[at_top + m * top : at_top + m * top + top])]
+            out.append(Scored(targets[at + i], host[i], int(host[m + i]), alternatives))
+    return out
 
 
 def seed_for(seed: int, output_index: int) -> int:

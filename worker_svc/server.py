@@ -25,6 +25,8 @@ from worker_svc.loader import LoadedModel, load_model
 from worker_svc.runner import InvalidStep, ModelRunner, SeqChunk, StepInput, StepResult
 from worker_svc.sampling import SamplingParams
 
+MAX_LOGPROBS = 20  # alternatives per token on the wire (the frontend's --max-logprobs is at most this)
+
 log = logging.getLogger("conveyor.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -47,15 +49,7 @@ def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(pb.stop_token_ids),
         top_logprobs=pb.top_logprobs,
         logprobs=pb.logprobs,
-    )
-
-
-def sampling_to_pb(p: SamplingParams) -> worker_pb2.SamplingParams:
-    return worker_pb2.SamplingParams(
-        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, seed=p.seed,
-        min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids, top_logprobs=p.top_logprobs, logprobs=p.logprobs,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -68,7 +62,8 @@ def check_sampling(seq_id: str, p: SamplingParams, vocab_size: int) -> None:
         (p.repetition_penalty > 0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
         (all(0 <= t < vocab_size for t in p.logit_bias), f"logit_bias token ids must be < {vocab_size}"),
         (all(0 <= t < vocab_size for t in p.stop_token_ids), f"stop_token_ids must be < {vocab_size}"),
-        (p.top_logprobs <= 20, f"top_logprobs must be <= 20, got {p.top_logprobs}"),
+        (p.top_logprobs <= MAX_LOGPROBS, f"top_logprobs must be <= {MAX_LOGPROBS}, got {p.top_logprobs}"),
+        ((p.prompt_logprobs or 0) <= MAX_LOGPROBS, f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {p.prompt_logprobs}"),
     ]
     for ok, message in problems:
         if not ok:
@@ -86,15 +81,19 @@ def step_from_pb(pb: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
     return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
 
 
+def _token_pb(seq_id: str, token_id: int, logprob: float, top: list[tuple[int, float]]) -> worker_pb2.SampledToken:
+    return worker_pb2.SampledToken(seq_id=seq_id, token_id=token_id, logprob=logprob,
+                                   top_logprobs=[worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
+
+
 def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> worker_pb2.StepResponse:
-    tokens = [
-        worker_pb2.SampledToken(
-            seq_id=r.seq_id, token_id=r.sampled.token_id, logprob=r.sampled.logprob,
-            top_logprobs=[worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in r.sampled.top_logprobs],
-        )
-        for r in results
-    ]
-    return worker_pb2.StepResponse(step_id=step_id, tokens=tokens, compute_seconds=seconds)
+    tokens = [_token_pb(r.seq_id, r.sampled.token_id, r.sampled.logprob, r.sampled.top_logprobs)
+              for r in results if r.sampled is not None]
+    prompt = [worker_pb2.PromptLogprobs(seq_id=r.seq_id, first_position=r.prompt[0],
+                                        tokens=[_token_pb("", s.token_id, s.logprob, s.top_logprobs) for s in r.prompt[1]],
+                                        ranks=[s.rank for s in r.prompt[1]])
+              for r in results if r.prompt is not None]
+    return worker_pb2.StepResponse(step_id=step_id, tokens=tokens, compute_seconds=seconds, prompt_logprobs=prompt)
 
 
 # ---------------------------------------------------------------- the service
