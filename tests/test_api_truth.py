@@ -1,0 +1,374 @@
+"""No request can stall the engine, and the API tells real clients the truth (issue 19).
+
+An in-process engine shows that a request whose data cannot go on the wire ends alone; the rest runs
+one real stack (short ``--max-model-len`` so that "no max_tokens" finishes quickly) through the ``openai``
+SDK, raw HTTP, the gRPC SDK and lm-eval, with transformers as the reference for every log-probability.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from helpers import hf_logits, start_stack
+
+from conveyor.client import Client
+from conveyor.errors import InvalidArgument
+from conveyor.params import RequestParams
+from conveyor.state import RequestRecord, RequestStore
+from conveyor.tokenizer import load_tokenizer
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.engine import Engine
+from scheduler_svc.policy import Answer, Scheduler
+from scheduler_svc.server import plan_to_pb, sampling_pb
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+MAX_MODEL_LEN = 320
+
+
+# ---------------------------------------------------------------- the class: data that breaks a step
+
+
+class WireOnly:
+    """The step transport up to the wire: every step is really converted to the worker's protobuf
+    (``plan_to_pb``), and a stand-in answers token 7 for each sampled chunk (no worker is under test)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, plan):
+        plan_to_pb(plan)
+        self.sent.append(plan)
+
+    def receive(self, plan):
+        self.sent.remove(plan)
+        return Answer({c.request.request_id: (7, None) for c in plan.chunks if c.sample})
+
+    def reset(self):
+        self.sent.clear()
+
+    def capacity(self):
+        return 64, 16, 1024
+
+
+def test_a_request_whose_data_cannot_go_on_the_wire_ends_alone_and_health_stays_up(redis_server):
+    store = RequestStore.from_url(redis_server, prefix=f"truth-{uuid.uuid4().hex[:8]}")
+    good = RequestRecord("good", [1, 2, 3], RequestParams(max_tokens=3, ignore_eos=True))
+    bad = RequestRecord("bad", [1, 2, 3], RequestParams(seed=-1, max_tokens=3))  # a uint64 field on the wire
+    for record in (good, bad):
+        assert store.create(record)
+    engine = Engine(Scheduler(BlockManager(64, 16), 1024, 512, 8, 16), store, WireOnly(), lambda *a: None, (2,))
+    engine.check_request = sampling_pb
+    with pytest.raises(InvalidArgument, match="cannot be computed"):
+        engine.submit("bad")  # refused at the door
+    health = []
+    engine.on_health = health.append
+    assert engine.adopt(["bad", "good"]) == 2  # as a restarted scheduler recovers them: past the door
+    engine.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(store.get(r).status == "finished" for r in ("bad", "good")):
+        time.sleep(0.05)
+    engine.stop()
+    bad_record, good_record = store.get("bad"), store.get("good")
+    assert bad_record.finish_reason == "error" and "could not be sent to the worker" in bad_record.error
+    assert good_record.finish_reason == "length" and good_record.output_ids == [7, 7, 7]
+    assert health == [] and engine.worker_up  # never marked down
+
+
+# ---------------------------------------------------------------- one real stack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("truth"), kv_cache_bytes=128 << 20, max_model_len=MAX_MODEL_LEN)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def base(stack):
+    return stack.http_endpoint
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def reference(client, model):
+    """The innocent request's greedy text, as the stack gives it undisturbed."""
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+
+
+def post(base: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"},
+                      timeout=120)
+
+
+def assert_unharmed(base: str, client, model, reference) -> None:
+    """Health answers 200 within a second and an innocent request finishes with its reference text."""
+    deadline = time.monotonic() + 1.0
+    while httpx.get(base + "/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "health did not come back within a second"
+        time.sleep(0.05)
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, timeout=30)
+    assert r.choices[0].text == reference
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("seed", 2**63, "seed"), ("seed", 2**64, "seed"), ("seed", -(2**63) - 1, "seed"),
+    ("min_tokens", -1, "min_tokens"), ("logprobs", -1, "logprobs"), ("top_k", 2**31, "top_k"),
+    ("prompt_logprobs", -1, "prompt_logprobs"), ("prompt_logprobs", 21, "prompt_logprobs"),
+    ("temperature", 10**400, "temperature"), ("max_tokens", 2**64, "max_tokens"),
+])
+def test_numbers_out_of_range_get_a_400_naming_the_field_and_stall_nobody(base, client, model, reference, field,
+                                                                          value, param):
+    r = post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert_unharmed(base, client, model, reference)
+
+
+def test_seed_minus_one_is_random_and_any_int64_seed_reproduces(base, client, model, reference):
+    def text(seed):
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    randoms = {text(-1) for _ in range(3)}
+    assert len(randoms) > 1  # -1 means "random", as llama.cpp documents it: not one fixed seed
+    for seed in (-(2**63), -5, 2**63 - 1):
+        assert text(seed) == text(seed)
+    assert_unharmed(base, client, model, reference)
+
+
+def test_usage_counts_each_prompt_once_whatever_n(client, model):
+    one = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).usage.prompt_tokens
+    three = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, n=3, temperature=0.7, seed=1)
+    assert three.usage.prompt_tokens == one and three.usage.completion_tokens == 6
+    two_prompts = client.completions.create(model=model, prompt=[PROMPT, PROMPT + " Paris"], max_tokens=1, n=2)
+    paris = client.completions.create(model=model, prompt=PROMPT + " Paris", max_tokens=1).usage.prompt_tokens
+    assert two_prompts.usage.prompt_tokens == one + paris
+    chat_one = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2).usage.prompt_tokens
+    chat_two = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, n=2).usage.prompt_tokens
+    assert chat_two == chat_one
+
+
+def test_a_chat_stream_opens_with_the_role_alone(client, model):
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, stream=True, n=2))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[0].delta.content == ""
+        assert all(c.delta.role is None for c in mine[1:]) and "".join(c.delta.content or "" for c in mine)
+
+
+def test_stream_options_without_stream_is_refused(base):
+    r = post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def test_without_max_tokens_an_answer_runs_to_the_end_of_the_context(client, model):
+    r = client.completions.create(model=model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == MAX_MODEL_LEN - r.usage.prompt_tokens > 256  # not the old 256 cut
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "sound"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_regex": "a+"}, "guided_regex"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"grammar": "root ::= \"a\""}, "grammar"),
+    ({"json_schema": {"type": "object"}}, "json_schema"),
+])
+def test_structured_output_and_tool_fields_are_refused_not_ignored(base, body, param):
+    for path, extra in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": PROMPT})):
+        r = post(base, path, {**extra, "max_tokens": 2, **body})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == param and "not supported" in r.json()["error"]["message"] or \
+            "must be one of" in r.json()["error"]["message"]
+
+
+def test_plain_text_response_format_and_no_tools_still_work(client, model):
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, response_format={"type": "text"},
+                                       tool_choice="none")
+    assert r.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, tools=[
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
+
+
+def test_grpc_error_series_are_exported_at_zero_from_the_start(stack):
+    text = httpx.get(f"http://{stack.child('scheduler').metrics}/metrics", timeout=10).text
+    assert 'conveyor_grpc_errors_total{code="UNAVAILABLE",method="/conveyor.v1.Scheduler/Abort"} 0.0' in text
+
+
+# ---------------------------------------------------------------- prompt logprobs
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("default")
+
+
+def reference_logprobs(hf_model, ids: list[int]) -> list[float]:
+    """transformers' log-probability of every token after the first, given the ones before it."""
+    logp = torch.log_softmax(hf_logits(hf_model, ids), dim=-1)
+    return [logp[p - 1, ids[p]].item() for p in range(1, len(ids))]
+
+
+def test_echo_with_logprobs_scores_every_prompt_token_as_transformers(client, model, tokenizer, hf_model):
+    prompt = "The quick brown fox jumps over the lazy dog because it wanted to"
+    ids = tokenizer.encode(prompt)
+    client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)  # now in the prefix cache
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(reference_logprobs(hf_model, ids), abs=1e-3)
+    assert "".join(lp.tokens[: len(ids)]) == tokenizer.decode(ids) and lp.text_offset[: 2] == [0, len(lp.tokens[0])]
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+
+
+def test_vllm_prompt_logprobs_and_the_grpc_sdk_agree(stack, base, tokenizer, hf_model):
+    ids = tokenizer.encode(PROMPT)
+    r = post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    entries = r["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    want = reference_logprobs(hf_model, ids)
+    for position, entry in enumerate(entries[1:], 1):
+        mine = entry[str(ids[position])]
+        assert mine["logprob"] == pytest.approx(want[position - 1], abs=1e-3) and mine["rank"] >= 1
+        assert mine["decoded_token"] == tokenizer.decode([ids[position]]) and 2 <= len(entry) <= 3
+    with Client(stack.endpoint, timeout=60) as grpc_client:
+        done = grpc_client.generate(PROMPT, max_tokens=1, temperature=0, prompt_logprobs=2)
+    assert [lp.token_id for lp in done.prompt_logprobs] == ids[1:]
+    assert [lp.logprob for lp in done.prompt_logprobs] == pytest.approx(want, abs=1e-3)
+    assert all(len(lp.top) == 2 for lp in done.prompt_logprobs)
+
+
+TASK = """task: conveyor_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+QUESTIONS = [
+    {"question": "The capital of France is", "choices": ["Paris", "London", "a banana"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["four", "seven"], "answer": 0},
+    {"question": "The sky on a clear day is", "choices": ["green", "blue", "loud"], "answer": 1},
+]
+
+
+def _encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split of a (context, continuation) pair into token ids (trailing spaces move on)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+    context_ids = tokenizer.encode(context, add_special_tokens=False)
+    return context_ids, whole[len(context_ids):]
+
+
+def test_lm_eval_loglikelihoods_match_transformers(stack, base, model, tokenizer, hf_model, tmp_path, monkeypatch):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    (tmp_path / "task.yaml").write_text(TASK.format(data=data))
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["conveyor_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=f"model={model},base_url={base}/v1/completions,tokenizer_backend=remote,num_concurrent=1,"
+                   "max_retries=1", log_samples=True)
+    samples = results["samples"]["conveyor_mc"]
+    assert len(samples) == len(QUESTIONS)
+    checked = 0
+    for sample in samples:
+        for (context, continuation), (got, _greedy) in zip([a for a in sample["arguments"]],
+                                                            [r[0] for r in sample["resps"]]):
+            context_ids, continuation_ids = _encode_pair(tokenizer, context, continuation)
+            ids = context_ids + continuation_ids
+            want = sum(reference_logprobs(hf_model, ids)[len(context_ids) - 1:])
+            assert got == pytest.approx(want, abs=1e-3) and got < 0
+            checked += 1
+    assert checked == sum(len(q["choices"]) for q in QUESTIONS)
+    assert results["results"]["conveyor_mc"]["acc,none"] > 0  # not the all-zero scores of an empty echo
+
+
+# ---------------------------------------------------------------- the fuzz: every number at its bounds
+
+BOUNDS = [-1, 0, 2**31, 2**63 - 1, 2**63, 2**64, math.nan, math.inf, -math.inf]
+NUMERIC = ["seed", "min_tokens", "max_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "top_k", "n",
+           "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "priority"]
+STRINGS = st.sampled_from(["", "x" * 5000, "\u00e9" * 3000])
+GRPC_OPTIONS = ("seed", "min_tokens", "logprobs", "prompt_logprobs", "top_k", "temperature", "top_p", "min_p",
+                "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _body():
+    number = st.sampled_from(BOUNDS)
+    return st.tuples(st.dictionaries(st.sampled_from(NUMERIC), number, min_size=1, max_size=3),
+                     st.fixed_dictionaries({}, optional={"stop": st.lists(STRINGS, max_size=20) | STRINGS,
+                                                         "stop_token_ids": st.lists(st.sampled_from(BOUNDS[:6]),
+                                                                                    max_size=70),
+                                                         "logit_bias": st.dictionaries(
+                                                             st.sampled_from(["-1", "0", str(2**40)]),
+                                                             st.sampled_from(BOUNDS), max_size=3)}),
+                     st.booleans())
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(parts=_body())
+def test_fuzz_every_numeric_field_at_its_bounds_never_harms_another_request(stack, base, client, model, reference,
+                                                                           parts):
+    numbers, rest, chat = parts
+    grpc_endpoint = stack.endpoint
+    body = {**({"messages": CHAT} if chat else {"prompt": PROMPT}), "max_tokens": 2, **numbers, **rest}
+    for name in ("max_tokens", "n"):  # keep an accepted request short
+        if isinstance(body.get(name), int) and body[name] > 2:
+            body[name] = 2
+    raw = json.dumps(body).encode()  # NaN and Infinity as Python's JSON writes them
+    r = httpx.post(base + ("/v1/chat/completions" if chat else "/v1/completions"), content=raw,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code in (200, 400), (r.status_code, r.text[:300], body)
+    if r.status_code == 400:
+        assert r.json()["error"]["param"], r.text
+    # the same numbers through the gRPC API, where its field types let them through the SDK
+    options = {name: value for name, value in numbers.items() if name in GRPC_OPTIONS}
+    if options:
+        with Client(grpc_endpoint, timeout=60) as grpc_client:
+            try:
+                grpc_client.generate(PROMPT, **{"max_tokens": 2, **options} | {"max_tokens": 2})
+            except (ValueError, TypeError, OverflowError):
+                pass  # the SDK's protobuf refused the value before sending it
+            except InvalidArgument as exc:
+                assert str(exc).split(" ")[0].split(".")[-1] in options or "must" in str(exc), str(exc)
+    assert_unharmed(base, client, model, reference)
