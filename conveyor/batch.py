@@ -7,9 +7,13 @@ error body; a line that is not a request gets ``error`` with ``response`` null).
 running stack's HTTP API. ``--concurrency`` requests are in flight at once, enough to keep the
 scheduler's batch full; a progress line shows lines done, output tokens/s and the time left.
 
+A transient failure (429, 502, 503, 504, a connection refused or broken: the server restarting or busy) is
+retried with a doubling delay for ``--retry-for`` seconds before the line records it.
+
 Output is appended a line at a time (flushed), so a run stopped by a crash or Ctrl-C resumes where it
-was: run the same command again and it skips every ``custom_id`` already in the output (a line cut off
-mid-write is dropped first). Every input line gets exactly one output line.
+was: run the same command again and it skips every ``custom_id`` already in the output with a final result
+(a line cut off mid-write, and lines that recorded a transient failure, are dropped first and run again).
+Every input line gets exactly one output line.
 """
 
 from __future__ import annotations
@@ -39,26 +43,46 @@ class BatchConfig:
     api_key: str = setting("", "API key of the server (prefer the environment variable)", secret=True)
     concurrency: int = setting(32, "requests in flight at once")
     timeout: float = setting(600.0, "deadline of each request, in seconds")
+    retry_for: float = setting(600.0, "seconds a line retries a transient failure (429, 502-504, no connection) "
+                                      "before its result records it")
 
     def __post_init__(self):
         require(self.concurrency >= 1, "concurrency", "must be >= 1")
         require(self.timeout > 0, "timeout", "must be > 0")
+        require(self.retry_for >= 0, "retry_for", "must be >= 0")
+
+
+TRANSIENT = (429, 502, 503, 504)  # statuses worth trying again later
+MAX_DELAY = 30.0  # seconds between two tries at most
+
+
+def transient(result: dict) -> bool:
+    """Whether an output line recorded a failure that a later try may not meet (a resumed run retries it)."""
+    response, error = result.get("response"), result.get("error") or {}
+    if response is None:
+        return error.get("code") == "request_failed"
+    return response.get("status_code") in TRANSIENT
 
 
 def done_ids(output: Path) -> set[str]:
-    """The ``custom_id`` of every complete line of ``output``; a last line cut off mid-write is removed."""
+    """The ``custom_id`` of every line of ``output`` with a final result. A last line cut off mid-write and the
+    lines that recorded a transient failure are removed from the file (they run again)."""
     if not output.exists():
         return set()
     raw = output.read_bytes()
-    keep = raw if raw.endswith(b"\n") or not raw else raw[: raw.rfind(b"\n") + 1]
-    if keep != raw:
-        output.write_bytes(keep)
-    ids = set()
-    for line in keep.splitlines():
+    ids, keep = set(), []
+    for line in raw.splitlines(keepends=True):
         try:
-            ids.add(json.loads(line)["custom_id"])
-        except (ValueError, KeyError, TypeError):
+            result = json.loads(line)
+            final = line.endswith(b"\n") and not transient(result)
+            custom_id = result["custom_id"]
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
+        if final:
+            ids.add(custom_id)
+            keep.append(line)
+    if b"".join(keep) != raw:
+        output.write_bytes(b"".join(keep))
     return ids
 
 
@@ -97,18 +121,19 @@ class Runner:
         except ValueError as exc:
             return {"id": _id(), "custom_id": custom_id, "response": None,
                     "error": {"code": "invalid_request", "message": str(exc)}}
-        attempts = 3  # the server restarting or busy: a few tries
-        for attempt in range(1, attempts + 1):
+        deadline, delay = time.monotonic() + self.cfg.retry_for, 0.5
+        while True:  # the server restarting or busy: try again, with a doubling delay, until --retry-for
             try:
                 status, reply = self._post(url, body)
             except (OSError, http.client.HTTPException, ValueError) as exc:
-                if attempt == attempts:
+                if time.monotonic() + delay > deadline:
                     return {"id": _id(), "custom_id": custom_id, "response": None,
                             "error": {"code": "request_failed", "message": f"{type(exc).__name__}: {exc}"}}
             else:
-                if status not in (429, 503) or attempt == attempts:
+                if status not in TRANSIENT or time.monotonic() + delay > deadline:
                     break
-            time.sleep(1.0 * attempt)
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_DELAY)
         with self.lock:
             self.tokens += (reply.get("usage") or {}).get("completion_tokens", 0)
         return {"id": _id(), "custom_id": custom_id,

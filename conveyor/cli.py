@@ -114,7 +114,7 @@ def _chat(args: argparse.Namespace) -> int:
 def _credentials(args: argparse.Namespace) -> int:
     from conveyor.credentials import make_credentials
 
-    written = make_credentials(args.folder, args.redis_host, args.redis_uid)
+    written = make_credentials(args.folder, args.redis_host, args.redis_uid, args.grafana_uid)
     print(f"{args.folder}: made {', '.join(written)}" if written else f"{args.folder}: everything was there")
     return 0
 
@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     creds.add_argument("folder")
     creds.add_argument("--redis-host", default="redis", help="Redis host in the redis_url file (default: %(default)s)")
     creds.add_argument("--redis-uid", type=int, default=None, help="owner of redis.conf (the user Redis runs as)")
+    creds.add_argument("--grafana-uid", type=int, default=None, help="owner of grafana_password (Grafana's user)")
     creds.set_defaults(run=_credentials)
     chat = commands.add_parser("chat", help="chat with a running stack (reads lines from stdin)")
     chat.add_argument("--system", default="", help="a system message")

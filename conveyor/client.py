@@ -12,7 +12,8 @@ Options (keyword arguments of ``generate``, ``stream`` and ``chat``): ``temperat
 ``logit_bias`` ({token id: bias}), ``seed``, ``logprobs`` (alternatives per token), ``prompt_logprobs``
 (score the prompt: each token's logprob after the first, with this many alternatives), ``max_tokens``,
 ``min_tokens``, ``stop`` (strings), ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``request_id``, ``timeout`` (seconds, the call's deadline) and, for
+``include_stop_str_in_output``, ``request_id``, ``priority``, ``cache_salt`` (vLLM's: only requests with the
+same salt share cached prefixes), ``timeout`` (seconds, the call's deadline) and, for
 chat, ``add_generation_prompt``. Server errors are raised as the ``conveyor.errors`` class of
 their status code (``InvalidArgument``, ``ResourceExhausted``, ``DeadlineExceeded``, ...).
 
@@ -98,7 +99,7 @@ def _chat_messages(messages: list[dict]) -> list[conveyor_pb2.ChatMessage]:
 
 
 def build_request(prompt: str | None = None, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
-                  request_id: str | None = None, priority: int = 0,
+                  request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
                   logit_bias: dict[int, float] | None = None, stop: list[str] | str | None = None,
                   stop_token_ids: list[int] | None = None, add_generation_prompt: bool | None = None,
                   **options) -> conveyor_pb2.GenerateRequest:
@@ -106,7 +107,8 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     unknown = set(options) - set(_SAMPLING) - set(_STOP)
     if unknown:
         raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
-    request = conveyor_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, priority=priority)
+    request = conveyor_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, priority=priority,
+                                           cache_salt=cache_salt)
     if prompt is not None:
         request.prompt = prompt
     if prompt_ids is not None:

@@ -6,10 +6,12 @@ Writes, into ``DIR`` (only what is missing, so a restart keeps what clients and 
   (subjectAltName ``DNS:conveyor-internal``, the name ``conveyor.grpc_util`` checks), for internal
   mutual TLS with ``CONVEYOR_INTERNAL_TLS_DIR=DIR``. The CA's key is not kept: nobody can add a peer.
 - ``redis.conf``: ``requirepass`` with a random password (``redis-server DIR/redis.conf``);
-- ``redis_url``: ``redis://:PASSWORD@HOST:6379/0`` for the services (``CONVEYOR_*_REDIS_URL_FILE``).
+- ``redis_url``: ``redis://:PASSWORD@HOST:6379/0`` for the services (``CONVEYOR_*_REDIS_URL_FILE``);
+- ``grafana_password``: a random password for Grafana's admin (``GF_SECURITY_ADMIN_PASSWORD__FILE``).
 
 Every file is mode 0600, owned by whoever runs this; ``--redis-uid`` gives ``redis.conf`` to the user
-Redis runs as (999 in the official image). The compose stack runs it as an init service on a volume.
+Redis runs as (999 in the official image), ``--grafana-uid`` ``grafana_password`` to Grafana's (472). The
+compose stack runs it as an init service on a volume.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _write(path: Path, data: bytes, uid: int | None) -> None:
         os.chown(path, uid, -1)
 
 
-def make_credentials(folder: str | Path, redis_host: str = "redis", redis_uid: int | None = None) -> list[str]:
+def make_credentials(folder: str | Path, redis_host: str = "redis", redis_uid: int | None = None,
+                     grafana_uid: int | None = None) -> list[str]:
     """Write what is missing in ``folder`` (see the module doc); returns the names written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,4 +86,7 @@ def make_credentials(folder: str | Path, redis_host: str = "redis", redis_uid: i
             (folder / name).unlink(missing_ok=True)
             _write(folder / name, text.encode(), redis_uid if name == "redis.conf" else None)
             written.append(name)
+    if not (folder / "grafana_password").exists():
+        _write(folder / "grafana_password", secrets.token_urlsafe(24).encode(), grafana_uid)
+        written.append("grafana_password")
     return written

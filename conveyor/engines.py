@@ -28,13 +28,14 @@ from dataclasses import dataclass
 
 from conveyor import grpc_util
 from conveyor.errors import Unavailable
-from conveyor.prefix import chain, root_key
+from conveyor.prefix import chain, root_key, scoped
 from conveyor.state import RequestStore
 from conveyor.v1 import scheduler_pb2_grpc
 
 ROUTE_BLOCK = 16  # tokens per routing block (the default KV block size)
 ROUTE_MAX_BLOCKS = 256  # a prompt's first 4,096 tokens decide its route
 ROUTE_TTL = 600.0  # seconds a route entry lives without being taken again
+ROUTE_DEPTHS = tuple(2**i for i in range(9))  # the block depths a request writes (up to ROUTE_MAX_BLOCKS)
 
 
 @dataclass
@@ -189,9 +190,10 @@ class Lease:
 # ---------------------------------------------------------------- routing
 
 
-def route_keys(prompt_ids: list[int], model: str = "") -> list[str]:
-    """Keys of a prompt's full routing blocks (the last token left out, as the prefix cache does)."""
-    keys, key = [], root_key(model)
+def route_keys(prompt_ids: list[int], model: str = "", scope: str = "") -> list[str]:
+    """Keys of a prompt's full routing blocks (the last token left out, as the prefix cache does), in its cache
+    ``scope``: routing follows the prefix cache's scopes, so it tells no tenant where another's prefixes are."""
+    keys, key = [], scoped(root_key(model), scope)
     for i in range(min((len(prompt_ids) - 1) // ROUTE_BLOCK, ROUTE_MAX_BLOCKS)):
         key = chain(key, prompt_ids[i * ROUTE_BLOCK : (i + 1) * ROUTE_BLOCK])
         keys.append(key.hex())
@@ -230,13 +232,15 @@ class Router:
         """An engine did not answer: leave it out until the registry is read again."""
         self._gone.add(name)
 
-    def choose(self, prompt_ids: list[int], model: str = "", exclude: str | None = None) -> Route | None:
+    def choose(self, prompt_ids: list[int], model: str = "", exclude: str | None = None,
+               scope: str = "") -> Route | None:
+        """The engine for a new request (it writes nothing: ``remember`` does, once an engine accepted it)."""
         engines = [e for e in self.engines() if e.name != exclude]
         if not engines:
             return None
         load = {e.name: e.load + self._sent.get(e.name, 0) for e in engines}
         least = min(engines, key=lambda e: (load[e.name], random.random()))
-        keys = route_keys(prompt_ids, model) if len(engines) > 1 else []
+        keys = route_keys(prompt_ids, model, scope) if len(engines) > 1 else []
         route = Route(least, "balance" if len(engines) > 1 else "only")
         if keys:
             owners = self.registry.redis.mget([f"{self.registry.prefix}:route:{k}" for k in keys])
@@ -248,12 +252,21 @@ class Router:
                     if load[matched.name] <= self.imbalance * load[least.name] + self.slack:
                         route = Route(matched, "prefix", i + 1)
                     break
-            pipe = self.registry.redis.pipeline(transaction=False)
-            for k in keys:
-                pipe.set(f"{self.registry.prefix}:route:{k}", route.engine.name, px=int(ROUTE_TTL * 1000))
-            pipe.execute()
         self._sent[route.engine.name] = self._sent.get(route.engine.name, 0) + 1
         return route
+
+    def remember(self, prompt_ids: list[int], engine: str, model: str = "", scope: str = "") -> None:
+        """An engine accepted a request: its prompt's prefixes route there from now on. Only the blocks at depths
+        1, 2, 4, ... and the last are written (at most ``len(ROUTE_DEPTHS) + 1`` keys a request): a later
+        prompt sharing n blocks still finds the deepest written one within them."""
+        keys = route_keys(prompt_ids, model, scope)
+        if not keys:
+            return
+        depths = sorted({d for d in ROUTE_DEPTHS if d <= len(keys)} | {len(keys)})
+        pipe = self.registry.redis.pipeline(transaction=False)
+        for depth in depths:
+            pipe.set(f"{self.registry.prefix}:route:{keys[depth - 1]}", engine, px=int(ROUTE_TTL * 1000))
+        pipe.execute()
 
 
 # ---------------------------------------------------------------- reaching an engine's scheduler

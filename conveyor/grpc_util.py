@@ -222,10 +222,13 @@ class AioAuthInterceptor(grpc.aio.ServerInterceptor):
 
     OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-    def __init__(self, keys: ApiKeys, max_streams_per_key: int = 0):
+    def __init__(self, keys: ApiKeys, max_streams_per_key: int = 0, max_streams: int = 0):
+        """``max_streams``: the frontend's own limit over every key and both APIs (0: none)."""
         self.keys = keys
         self.max_streams = max_streams_per_key
+        self.max_total = max_streams
         self.streams: Counter[str] = Counter()  # touched only on the event loop: no lock
+        self.total = 0
 
     def identify(self, metadata) -> str:
         """The name of the key in ``metadata`` (gRPC metadata or HTTP headers: pairs), "" when keys are off."""
@@ -239,15 +242,22 @@ class AioAuthInterceptor(grpc.aio.ServerInterceptor):
             raise Unauthenticated("invalid API key")
         return name
 
-    def open_stream(self, owner: str) -> None:
-        """Count a stream of ``owner``'s, or refuse it beyond --max-streams-per-key (call on the event loop)."""
-        if self.max_streams and self.streams[owner] >= self.max_streams:
+    def open_stream(self, owner: str, count: int = 1) -> None:
+        """Count ``count`` streams of ``owner``'s (an HTTP request's choices count one each), or refuse them
+        beyond --max-streams-per-key or this frontend's --max-streams (call on the event loop)."""
+        if self.max_streams and self.streams[owner] + count > self.max_streams:
             who = f"API key {owner!r}" if owner else "this server"
-            raise ResourceExhausted(f"{who} already has {self.max_streams} streams open (--max-streams-per-key)")
-        self.streams[owner] += 1
+            raise ResourceExhausted(f"{who} already has {self.streams[owner]} streams open and asks for {count} more; "
+                                    f"the limit is {self.max_streams} (--max-streams-per-key)")
+        if self.max_total and self.total + count > self.max_total:
+            raise ResourceExhausted(f"this frontend already serves {self.total} streams; the limit is {self.max_total} "
+                                    "(--max-streams)")
+        self.streams[owner] += count
+        self.total += count
 
-    def close_stream(self, owner: str) -> None:
-        self.streams[owner] -= 1
+    def close_stream(self, owner: str, count: int = 1) -> None:
+        self.streams[owner] -= count
+        self.total -= count
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

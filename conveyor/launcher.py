@@ -79,6 +79,10 @@ class UpConfig:
     max_restarts: int = setting(5, "restarts of one child within a minute before the stack gives up (0: never restart)")
     api_keys_file: str = setting("", "file of API keys for the public API, one 'name:key' per line")
     max_streams_per_key: int = setting(0, "most streams one API key may have open (0: no limit)")
+    shared_prefix_cache: bool = setting(False, "every API key reuses every other's cached prompt prefixes "
+                                               "(default: each key its own)")
+    allowed_origins: str = setting("*", "origins a browser may call the HTTP API from (CORS), comma-separated; '*': "
+                                        "any (vLLM's default); '': none")
     tls_cert: str = setting("", "PEM certificate of the public API (with --tls-key: TLS)")
     tls_key: str = setting("", "PEM private key of the public API")
 
@@ -239,13 +243,18 @@ def _start_redis(cfg: UpConfig, stack: Stack) -> str:
     port = free_port()
     data = Path(cfg.data_dir) if cfg.data_dir else Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
     data.mkdir(parents=True, exist_ok=True)
+    data.chmod(0o700)  # it holds every prompt and output: its owner's alone
     password = secrets.token_urlsafe(24)
     conf = data / "conveyor-redis.conf"  # the password stays out of every command line
     conf.touch(mode=0o600)
     conf.write_text(f"requirepass {password}\n")
     argv = [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
             "--save", "", "--daemonize", "no", "--loglevel", "warning"]
-    process = _popen(argv, quiet=True)
+    umask = os.umask(0o077)  # inherited by redis-server: its append-only files are 0600
+    try:
+        process = _popen(argv, quiet=True)
+    finally:
+        os.umask(umask)
     stack.children.append(Child("redis", process, argv=argv))
     import redis  # noqa: PLC0415 - only the launcher needs to ping
 
@@ -306,6 +315,8 @@ def start(cfg: UpConfig) -> Stack:
             ("frontend", "frontend", ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
                                       "--http-port", str(cfg.http_port), "--internal-port", str(ports["deliver"]),
                                       "--detokenizer", detokenizer, "--max-streams-per-key", str(cfg.max_streams_per_key),
+                                      "--allowed-origins", cfg.allowed_origins,
+                                      "--shared-prefix-cache" if cfg.shared_prefix_cache else "--no-shared-prefix-cache",
                                       *_security_flags(cfg), *redis_flags, *common,
                                       "--metrics-port", str(metrics["frontend"])],
              f"127.0.0.1:{ports['deliver']}", "conveyor.v1.Frontend"),  # its internal port: plain gRPC even with TLS on

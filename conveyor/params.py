@@ -8,7 +8,7 @@ detokenizer reads the stop strings. Stored as JSON in the request's Redis hash.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -84,13 +84,17 @@ class RequestParams:
     include_stop_str_in_output: bool = False
     # scheduling: lower runs first (as vLLM); equal priorities run in arrival order
     priority: int = 0
+    # whose cached prefixes this request may reuse and add to (conveyor.prefix.scoped): its API key's, and its
+    # cache_salt's (vLLM's); "" shares the cache with every request of the same scope ""
+    cache_scope: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> RequestParams:
-        raw = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        raw = {k: v for k, v in json.loads(text).items() if k in known}  # a newer process's fields: not ours
         raw["logit_bias"] = {int(k): float(v) for k, v in raw.get("logit_bias", {}).items()}
         raw["stop"] = tuple(raw.get("stop", ()))
         raw["stop_token_ids"] = tuple(raw.get("stop_token_ids", ()))

@@ -16,6 +16,13 @@ def root_key(model: str) -> bytes:
     return hashlib.blake2b(model.encode(), digest_size=16).digest()
 
 
+def scoped(root: bytes, scope: str) -> bytes:
+    """The root of the prefixes of one cache scope (a request's ``RequestParams.cache_scope``: its API key's,
+    with its ``cache_salt``): prefixes of two scopes never share a key, so one tenant can neither reuse nor time
+    another's cached prefix. The empty scope is ``root`` itself (a cache shared by everyone)."""
+    return hashlib.blake2b(root + b"\0" + scope.encode(), digest_size=16).digest() if scope else root
+
+
 def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a full block with ``tokens`` after the prefix keyed ``parent``."""
     return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from conveyor.prefix import chain, root_key
+from conveyor.prefix import chain, root_key, scoped
 
 TokenRange = Callable[[int, int], Sequence[int]]  # (start, end) -> a request's tokens in [start, end)
 
@@ -78,12 +78,12 @@ class BlockManager:
 
     # ------------------------------------------------------------ admission
 
-    def match(self, tokens: TokenRange, num_tokens: int) -> list[int]:
+    def match(self, tokens: TokenRange, num_tokens: int, scope: str = "") -> list[int]:
         """The cached blocks holding the longest prefix of a request's ``num_tokens`` tokens (whole
-        blocks, never the last token)."""
+        blocks, never the last token), among those of its cache ``scope`` (``conveyor.prefix.scoped``)."""
         if not self.prefix_cache:
             return []
-        hits, key = [], self.root
+        hits, key = [], scoped(self.root, scope)
         for i in range((num_tokens - 1) // self.block_size):
             key = chain(key, tokens(i * self.block_size, (i + 1) * self.block_size))
             block = self.cached.get(key)
@@ -140,14 +140,14 @@ class BlockManager:
         self._tables.setdefault(request_id, []).extend(new)
         return new
 
-    def fill(self, request_id: str, tokens: TokenRange, num_computed: int, now: bool = False) -> None:
-        """Key the request's blocks that ``num_computed`` known tokens (sent to the worker) fill.
-        ``now``: their KV is computed by steps already sent (else: once the step being built is)."""
+    def fill(self, request_id: str, tokens: TokenRange, num_computed: int, now: bool = False, scope: str = "") -> None:
+        """Key the request's blocks that ``num_computed`` known tokens (sent to the worker) fill, in its cache
+        ``scope``. ``now``: their KV is computed by steps already sent (else: once the step being built is)."""
         if not self.prefix_cache:
             return
         keys, table = self._keys.setdefault(request_id, []), self._tables.get(request_id, [])
         for i in range(len(keys), min(num_computed // self.block_size, len(table))):
-            key = chain(keys[-1] if keys else self.root, tokens(i * self.block_size, (i + 1) * self.block_size))
+            key = chain(keys[-1] if keys else scoped(self.root, scope), tokens(i * self.block_size, (i + 1) * self.block_size))
             keys.append(key)
             if now:
                 self._cache(table[i], key)

@@ -189,7 +189,8 @@ class Scheduler:
     def _keep_prefix(self, request: Request) -> None:
         """Before a request's blocks are released: its full blocks stay in the prefix cache (a preempted
         request finds its own again; a conversation's next turn finds this one's)."""
-        self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens), now=True)
+        self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens), now=True,
+                         scope=request.params.cache_scope)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -336,7 +337,8 @@ class Scheduler:
         they are. Its longest cached prefix is taken from the prefix cache, not computed (nor counted in
         ``budget``)."""
         # a request that scores its prompt computes all of it: cached blocks would skip the positions it scores
-        hits = [] if request.scores_prompt else self.blocks.match(request.tokens, request.num_tokens)
+        hits = [] if request.scores_prompt else self.blocks.match(request.tokens, request.num_tokens,
+                                                                   request.params.cache_scope)
         cached = len(hits) * self.blocks.block_size
         n = min(request.num_tokens - cached, budget)
 
@@ -369,7 +371,8 @@ class Scheduler:
         request.num_computed = start + n
         request.samples_in_flight += chunk.sample
         # key the blocks that filled up for the prefix cache (a token still in flight has no key yet)
-        self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens))
+        self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens),
+                         scope=request.params.cache_scope)
         return chunk
 
     def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None,

@@ -7,8 +7,14 @@ SDK, raw HTTP, the gRPC SDK and lm-eval, with transformers as the reference for 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import socket
+import socketserver
+import stat
+import subprocess
+import threading
 import time
 import uuid
 
@@ -18,7 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import hf_logits, start_stack
+from helpers import conveyor_command, extra_frontend, free_port, hf_logits, scheduler_stats, start_stack, stop
 
 from conveyor.client import Client
 from conveyor.errors import InvalidArgument
@@ -33,6 +39,8 @@ from scheduler_svc.server import plan_to_pb, sampling_pb
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 MAX_MODEL_LEN = 320
+HEADER_TIMEOUT = 1.5  # --http-header-timeout of the stack
+MAX_STREAMS = 4  # --max-streams-per-key of the stack (its clients have no key: they share the "" owner)
 
 
 # ---------------------------------------------------------------- the class: data that breaks a step
@@ -89,7 +97,12 @@ def test_a_request_whose_data_cannot_go_on_the_wire_ends_alone_and_health_stays_
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = start_stack(tmp_path_factory.mktemp("truth"), kv_cache_bytes=128 << 20, max_model_len=MAX_MODEL_LEN)
+    folder = tmp_path_factory.mktemp("truth")
+    with pytest.MonkeyPatch.context() as env:  # the children keep the environment they started with
+        env.setenv("CONVEYOR_FRONTEND_HTTP_HEADER_TIMEOUT", str(HEADER_TIMEOUT))
+        s = start_stack(folder / "data", kv_cache_bytes=128 << 20, max_model_len=MAX_MODEL_LEN,
+                        max_streams_per_key=MAX_STREAMS)
+    s.data_dir = folder / "data"
     yield s
     s.stop()
 
@@ -215,9 +228,177 @@ def test_plain_text_response_format_and_no_tools_still_work(client, model):
             {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
 
 
+def test_the_private_redis_keeps_its_data_from_other_local_users(stack, client, model):
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=1)  # something in the append-only file
+    assert stat.S_IMODE(stack.data_dir.stat().st_mode) == 0o700
+    files = [p for p in stack.data_dir.rglob("*") if p.is_file()]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), \
+        [(p.name, oct(p.stat().st_mode)) for p in files]
+
+
 def test_grpc_error_series_are_exported_at_zero_from_the_start(stack):
     text = httpx.get(f"http://{stack.child('scheduler').metrics}/metrics", timeout=10).text
     assert 'conveyor_grpc_errors_total{code="UNAVAILABLE",method="/conveyor.v1.Scheduler/Abort"} 0.0' in text
+
+
+def test_each_choice_counts_as_a_stream_toward_the_per_key_limit(client, model):
+    assert len(client.completions.create(model=model, prompt=PROMPT, max_tokens=1, n=MAX_STREAMS).choices) == 4
+    with pytest.raises(openai.RateLimitError, match="max-streams-per-key"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=1, n=MAX_STREAMS + 1)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=model, prompt=[PROMPT] * 3, max_tokens=1, n=2)
+
+
+def test_browsers_get_cors_and_every_response_an_x_request_id(base):
+    preflight = httpx.options(base + "/v1/chat/completions", headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"}, timeout=10)
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "http://ui.example")
+    r = httpx.get(base + "/v1/models", headers={"Origin": "http://ui.example", "x-request-id": "mine-1"}, timeout=10)
+    assert r.headers["access-control-allow-origin"] in ("*", "http://ui.example") and r.headers["x-request-id"] == "mine-1"
+    assert len(httpx.get(base + "/v1/models", timeout=10).headers["x-request-id"]) == 32
+
+
+def test_the_routes_without_v1_metrics_and_version_are_served(base, model):
+    bare = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
+    assert bare.models.list().data[0].id == model
+    assert bare.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens == 2
+    assert bare.chat.completions.create(model=model, messages=CHAT, max_tokens=2).choices[0].message.content
+    metrics = httpx.get(base + "/metrics", timeout=10)
+    assert metrics.status_code == 200 and "conveyor_http_requests_total" in metrics.text
+    assert httpx.get(base + "/version", timeout=10).json()["version"]
+
+
+def test_half_sent_requests_are_closed_after_the_header_timeout(base, client, model, reference):
+    host, port = base.removeprefix("http://").split(":")
+    slow = []
+    for _ in range(40):
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")  # no end
+        slow.append(sock)
+    assert_unharmed(base, client, model, reference)  # served meanwhile
+    time.sleep(HEADER_TIMEOUT + 1.0)
+    try:
+        assert all(sock.recv(1) == b"" for sock in slow)  # each closed by the server
+    finally:
+        for sock in slow:
+            sock.close()
+    idle = socket.create_connection((host, int(port)), timeout=10)  # a connection that never sends a byte
+    time.sleep(HEADER_TIMEOUT + 1.0)
+    assert idle.recv(1) == b""
+    idle.close()
+
+
+def test_sizes_are_checked_before_expansion_or_tokenization(base, client, model, reference):
+    huge = "word " * ((1 << 20) // 5 + 10)  # past --max-prompt-chars (1 MiB)
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 1}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": huge}]}),
+                       ("/tokenize", {"prompt": huge}),
+                       ("/v1/completions", {"prompt": ["x"] * 100_000, "max_tokens": 1})):
+        started = time.monotonic()
+        r = post(base, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("messages", "prompt"), (path, r.text[:200])
+        assert time.monotonic() - started < 2.0  # refused, not tokenized first
+    assert_unharmed(base, client, model, reference)
+
+
+KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-fedcba9876543210"}
+
+
+@pytest.fixture(scope="module")
+def keyed(stack, tmp_path_factory):
+    """A frontend with two API keys on the same stack (its engine and prefix cache); its public address."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("".join(f"{n}:{k}\n" for n, k in KEYS.items()))
+    proc, address = extra_frontend(stack, "--api-keys-file", str(keys))
+    yield address
+    stop(proc)
+
+
+def test_the_prefix_cache_is_scoped_per_api_key_and_per_cache_salt(stack, keyed):
+    secret = "The launch code for the vault, known to nobody but Alice, is " + " ".join(f"w{i}" for i in range(80))
+
+    def hits(key: str, **options) -> int:
+        before = scheduler_stats(stack).prefix_cache_hits
+        with Client(keyed, api_key=KEYS[key], timeout=60) as c:
+            c.generate(secret, max_tokens=1, temperature=0, **options)
+        return scheduler_stats(stack).prefix_cache_hits - before
+
+    hits("alice")
+    assert hits("alice") > 0  # her own prefix is reused
+    assert hits("bob") == 0  # never another key's: no reuse, no timing to tell it was there
+    assert hits("alice", cache_salt="s1") == 0 and hits("alice", cache_salt="s1") > 0
+    assert hits("alice", cache_salt="s2") == 0
+    with Client(keyed, api_key=KEYS["bob"], timeout=60) as c, pytest.raises(InvalidArgument, match="cache_salt"):
+        c.generate(PROMPT, max_tokens=1, cache_salt="x" * 257)
+
+
+class Relay(socketserver.ThreadingTCPServer):
+    """A TCP relay to the stack's HTTP port: the server "coming back" after an outage (the injected fault is
+    the time before the relay listens)."""
+
+    daemon_threads = allow_reuse_address = True
+
+    def __init__(self, port: int, target: tuple[str, int]):
+        target_address = target
+
+        class Pipe(socketserver.BaseRequestHandler):
+            def handle(self):
+                with socket.create_connection(target_address) as upstream:
+                    def pump(a, b):
+                        try:
+                            while data := a.recv(65536):
+                                b.sendall(data)
+                        except OSError:
+                            pass
+                        finally:
+                            with contextlib.suppress(OSError):
+                                b.shutdown(socket.SHUT_WR)
+
+                    back = threading.Thread(target=pump, args=(upstream, self.request), daemon=True)
+                    back.start()
+                    pump(self.request, upstream)
+                    back.join()
+
+        super().__init__(("127.0.0.1", port), Pipe)
+
+
+def _jobs(n: int) -> str:
+    return "".join(json.dumps({"custom_id": f"job-{i}", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": f"Number {i} is", "max_tokens": 2, "temperature": 0}}) + "\n"
+                   for i in range(n))
+
+
+def test_conveyor_batch_waits_out_a_server_that_is_down_and_retries_transient_results_on_resume(base, tmp_path):
+    port = free_port()
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(_jobs(6))
+    argv = [*conveyor_command(), "batch", str(source), "-o", str(results), "--target", f"http://127.0.0.1:{port}",
+            "--concurrency", "3", "--retry-for", "60"]
+    job = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    time.sleep(3.0)  # connections refused meanwhile: the old client gave up after ~3 s and recorded the failure
+    host, http_port = base.removeprefix("http://").split(":")
+    relay = Relay(port, (host, int(http_port)))
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    try:
+        assert job.wait(timeout=120) == 0
+        records = [json.loads(line) for line in results.read_text().splitlines()]
+        assert sorted(r["custom_id"] for r in records) == [f"job-{i}" for i in range(6)]
+        assert all(r["response"]["status_code"] == 200 for r in records)
+        # a run that ended before the server came back recorded a transient failure: the resumed run retries it
+        lines = results.read_text().splitlines()
+        lines[2] = json.dumps({"id": "x", "custom_id": "job-2", "response": None,
+                               "error": {"code": "request_failed", "message": "ConnectionRefusedError"}})
+        lines[4] = json.dumps({"id": "y", "custom_id": "job-4", "response": {"status_code": 503, "request_id": "",
+                                                                          "body": {}}, "error": None})
+        results.write_text("\n".join(lines) + "\n")
+        subprocess.run(argv, check=True, stderr=subprocess.DEVNULL, timeout=120)
+    finally:
+        relay.shutdown()
+        relay.server_close()
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in records) == [f"job-{i}" for i in range(6)]  # one line each
+    assert all(r["response"]["status_code"] == 200 for r in records)
 
 
 # ---------------------------------------------------------------- prompt logprobs

@@ -72,17 +72,38 @@ def test_the_router_keeps_a_prefix_on_its_engine_and_balances_the_rest(registry)
     for name in ("a", "b"):
         registry.heartbeat(EngineInfo(name, name), ttl=30)
     router = Router(registry, refresh=0.0)
+
+    def routed(prompt, scope=""):  # chosen, then accepted by that engine
+        route = router.choose(prompt, scope=scope)
+        router.remember(prompt, route.engine.name, scope=scope)
+        return route
+
     system = list(range(100, 164))  # 4 routing blocks
-    first = router.choose(system + [1, 2, 3])
-    again = router.choose(system + [7, 8, 9])
+    first = routed(system + [1, 2, 3])
+    again = routed(system + [7, 8, 9])
     assert (again.engine.name, again.reason, again.matched_blocks) == (first.engine.name, "prefix", 4)
-    other = router.choose(list(range(500, 564)))  # no shared prefix: the least loaded
+    other = routed(list(range(500, 564)))  # no shared prefix: the least loaded
     assert other.reason == "balance"
+    assert router.choose(system + [1], scope="key:bob").reason == "balance"  # another scope's prefixes are not seen
     busy = first.engine.name
     registry.heartbeat(EngineInfo(busy, busy, running=40), ttl=30)  # overloaded next to the other
-    moved = router.choose(system + [4, 5, 6])
+    moved = routed(system + [4, 5, 6])
     assert moved.engine.name != busy and moved.reason == "balance"
-    assert router.choose(system + [4, 5, 6]).engine.name == moved.engine.name  # the prefix followed it there
+    assert routed(system + [4, 5, 6]).engine.name == moved.engine.name  # the prefix followed it there
+
+
+def test_a_request_writes_a_bounded_number_of_route_keys_and_only_once_accepted(registry):
+    for name in ("a", "b"):
+        registry.heartbeat(EngineInfo(name, name), ttl=30)
+    router = Router(registry, refresh=0.0)
+    prompt = list(range(16 * 300 + 1))  # 300 full blocks (the first 256 route)
+    pattern = f"{registry.prefix}:route:*"
+    route = router.choose(prompt)
+    assert list(registry.redis.scan_iter(pattern)) == []  # chosen, not yet accepted: nothing written
+    router.remember(prompt, route.engine.name)
+    assert len(list(registry.redis.scan_iter(pattern))) == 9  # depths 1, 2, 4, ..., 256
+    deep = router.choose(prompt[: 16 * 200 + 1])  # shares 200 blocks: found at depth 128
+    assert (deep.engine.name, deep.reason, deep.matched_blocks) == (route.engine.name, "prefix", 128)
 
 
 def test_route_keys_cover_full_blocks_without_the_last_token():

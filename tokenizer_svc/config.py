@@ -38,6 +38,14 @@ class FrontendConfig:
     tls_key: str = setting("", "PEM private key of the public API")
     tls_client_ca: str = setting("", "PEM CA that must sign client certificates (mutual TLS)")
     max_streams: int = setting(512, "most client streams this frontend serves at once (more get RESOURCE_EXHAUSTED)")
+    http_header_timeout: float = setting(10.0, "seconds an HTTP connection may take to send a request's headers "
+                                               "before it is closed (half-sent requests hold no connection)")
+    http_max_connections: int = setting(1000, "most HTTP connections and requests at once (more get 503)")
+    shared_prefix_cache: bool = setting(False, "let every API key reuse every other's cached prompt prefixes (a "
+                                               "trusted deployment; default: each key has its own, so no key can "
+                                               "time another's prompts)")
+    allowed_origins: str = setting("*", "origins a browser may call the HTTP API from (CORS), comma-separated; '*': "
+                                        "any (vLLM's default); '': none")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
     metrics_port: int = setting(9101, "port of the Prometheus /metrics endpoint (0: any free port)")
     log_level: str = setting("INFO", "logging level")
@@ -50,6 +58,8 @@ class FrontendConfig:
         require(self.max_stop_token_ids >= 0, "max_stop_token_ids", "must be >= 0")
         require(self.max_logit_bias >= 0, "max_logit_bias", "must be >= 0")
         require(self.max_streams >= 1, "max_streams", "must be >= 1")
+        require(self.http_header_timeout > 0, "http_header_timeout", "must be > 0")
+        require(self.http_max_connections >= 1, "http_max_connections", "must be >= 1")
         require(-1 <= self.http_port < 65536, "http_port", f"must be -1 (off) or in [0, 65535], got {self.http_port}")
         require(self.max_prompt_tokens >= 0, "max_prompt_tokens", "must be >= 0")
         require(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1K")

@@ -28,7 +28,7 @@ from conveyor.messages import Delta
 from conveyor.params import SamplingDefaults
 from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore, new_request_key
 from conveyor.tokenizer import ModelTokenizer
-from tokenizer_svc.validation import GenerateInput, Limits, build_params, check_input
+from tokenizer_svc.validation import GenerateInput, Limits, build_params, cache_scope, check_input, check_size
 
 log = logging.getLogger("conveyor.frontend")
 
@@ -114,11 +114,14 @@ class ClientStream:
 class Frontend:
     def __init__(self, tokenizer: ModelTokenizer, store: RequestStore, limits: Limits, address: str,
                  submit: Callable[[RequestRecord], None], abort: Callable[[str], bool],
-                 replay: Callable[[str, str], list[Delta]], route: Callable[[list[int]], str] = lambda ids: ""):
+                 replay: Callable[[str, str], list[Delta]],
+                 route: Callable[[list[int], str], str] = lambda ids, scope: "", shared_prefix_cache: bool = False):
         """``address``: where the detokenizer reaches this frontend's Deliver service; ``submit(record)`` hands a
         recorded request to its engine (it may change ``record.engine`` for a retry when that engine is gone);
         ``replay(request_id, address)``: the detokenizer's deltas of the request so far, rebuilt from Redis;
-        ``route(prompt_ids)``: the engine a new request goes to."""
+        ``route(prompt_ids, cache_scope)``: the engine a new request goes to. ``shared_prefix_cache``: every API
+        key reuses every other's cached prefixes (a trusted deployment); else each key has its own."""
+        self.shared_prefix_cache = shared_prefix_cache
         self.tokenizer = tokenizer
         self.store = store
         self.limits = limits
@@ -134,6 +137,7 @@ class Frontend:
 
     def render(self, inp: GenerateInput) -> tuple[str, list[int]]:
         """The prompt text (chat rendered with the model's template) and its token ids."""
+        check_size(inp, self.limits)  # every route that tokenizes comes here: its cost is bounded first
         if inp.messages is not None:
             if not self.tokenizer.chat_template:
                 raise InvalidArgument("chat: this model has no chat template; send a prompt instead")
@@ -147,9 +151,10 @@ class Frontend:
         """Check, tokenize, record in Redis, submit; returns the stream the deltas will arrive on."""
         check_input(inp, self.limits)
         prompt_ids = list(inp.prompt_ids) if inp.prompt_ids is not None else self.render(inp)[1]  # ids: no decoding
-        params = build_params(inp, len(prompt_ids), self.limits, self.defaults)
+        params = build_params(inp, len(prompt_ids), self.limits, self.defaults,
+                              cache_scope(owner, inp.cache_salt, self.shared_prefix_cache))
         request_id = new_request_key()  # the client's id is only its name (see conveyor.state)
-        engine = _with_redis(lambda: self.route(prompt_ids), "choosing an engine")
+        engine = _with_redis(lambda: self.route(prompt_ids, params.cache_scope), "choosing an engine")
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
                                client_id=inp.request_id, engine=engine)
         stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id)

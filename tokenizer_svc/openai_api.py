@@ -17,11 +17,16 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from importlib.metadata import version as package_version
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,6 +38,7 @@ from tokenizer_svc.frontend import ClientDelta, ClientStream, Frontend
 from tokenizer_svc.streaming import Blocking, RequestTimer, follow
 from tokenizer_svc.validation import SEED_RANGE, GenerateInput, seed_from_int64
 
+log = logging.getLogger("conveyor.frontend")
 MAX_BODY_BYTES = 8 << 20
 MAX_N = 16
 STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "ALREADY_EXISTS": 409,
@@ -70,6 +76,26 @@ def _from_conveyor(exc: ConveyorError) -> HttpError:
     status = STATUS.get(exc.code, 500)
     param = message.split(" ", 1)[0] if status == 400 else None
     return HttpError(status, message, param, exc.code.lower())
+
+
+class RequestIds:
+    """Every response carries ``x-request-id``: the client's own when it sent one, else a new one (vLLM)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"")[:128]
+        request_id = given if given and given.isascii() else uuid.uuid4().hex.encode()
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 # ---------------------------------------------------------------- request bodies
@@ -139,7 +165,7 @@ def sampling_input(body: dict, chat: bool) -> GenerateInput:
         min_tokens=_get(body, "min_tokens", (int,), 0), stop=_stop_strings(body),
         stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_get(body, "ignore_eos", (bool,), False),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
-        priority=_get(body, "priority", (int,), 0),
+        priority=_get(body, "priority", (int,), 0), cache_salt=_get(body, "cache_salt", (str,)),
     )
 
 
@@ -217,6 +243,8 @@ def _ids(value) -> bool:
 def _prompts(body: dict) -> list[str | list[int]]:
     """OpenAI's prompt forms: a string, token ids, or a list of either (one choice set per prompt)."""
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > MAX_N and prompt and isinstance(prompt[0], (str, list)):
+        raise HttpError(400, f"prompt has {len(prompt)} prompts; at most {MAX_N} are allowed", "prompt")
     if isinstance(prompt, str) or _ids(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
@@ -229,7 +257,9 @@ def _prompts(body: dict) -> list[str | list[int]]:
 
 class OpenAIApi:
     def __init__(self, frontend: Frontend, io: Blocking, metrics: Metrics, model_name: str,
-                 auth: grpc_util.AioAuthInterceptor, request_timeout: float = 0.0):
+                 auth: grpc_util.AioAuthInterceptor, request_timeout: float = 0.0, allowed_origins: str = "*"):
+        """``allowed_origins``: the CORS origins, comma-separated ("*": any, "": none)."""
+        self.allowed_origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
         self.frontend = frontend
         self.io = io
         self.metrics = metrics
@@ -243,21 +273,27 @@ class OpenAIApi:
             metrics.http_request_seconds.labels(route=route)
 
     def app(self) -> Starlette:
-        routes = [Route("/health", self.health, methods=["GET"]),
-                  Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/v1/models/{model:path}", self.model_info, methods=["GET"]),
-                  Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                  Route("/tokenize", self.tokenize, methods=["POST"]),
-                  Route("/detokenize", self.detokenize, methods=["POST"]),
-                  Route("/tokenizer_info", self.tokenizer_info, methods=["GET"])]
+        api = [("/models", self.models, "GET"), ("/models/{model:path}", self.model_info, "GET"),
+               ("/completions", self.completions, "POST"), ("/chat/completions", self.chat_completions, "POST")]
+        # OpenAI's routes under /v1 and, as llama.cpp serves them, without it (clients given a bare base URL)
+        routes = [Route(prefix + path, call, methods=[method]) for prefix in ("/v1", "") for path, call, method in api]
+        routes += [Route("/health", self.health, methods=["GET"]),
+                   Route("/version", self.version, methods=["GET"]),
+                   Route("/metrics", self.metrics_page, methods=["GET"]),  # vLLM's scrape path, on the API port
+                   Route("/tokenize", self.tokenize, methods=["POST"]),
+                   Route("/detokenize", self.detokenize, methods=["POST"]),
+                   Route("/tokenizer_info", self.tokenizer_info, methods=["GET"])]
 
         async def not_found(request: Request, exc) -> Response:
             status = getattr(exc, "status_code", 404)
             return error_response(status, f"{request.method} {request.url.path}: no such route" if status == 404
                                   else str(getattr(exc, "detail", "")) or "bad request")
 
-        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+        middleware = [Middleware(RequestIds)]
+        if self.allowed_origins:  # outermost: a browser's preflight is answered before anything else
+            middleware.insert(0, Middleware(CORSMiddleware, allow_origins=self.allowed_origins, allow_methods=["*"],
+                                            allow_headers=["*"], expose_headers=["x-request-id"]))
+        return Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: not_found})
 
     # ------------------------------------------------------------ plumbing
 
@@ -301,6 +337,9 @@ class OpenAIApi:
             if err.status in (400, 429, 409, 503):
                 self.metrics.requests_rejected.labels(reason=exc.code.lower()).inc()
             status, response = err.status, error_response(err.status, str(err), err.param, err.code)
+        except Exception as exc:  # noqa: BLE001 - a bug or an unexpected error: still OpenAI's JSON shape
+            log.exception("%s failed", route)
+            status, response = 500, error_response(500, f"internal error: {type(exc).__name__}: {exc}")
         self._observe(route, status, started)
         return response
 
@@ -308,6 +347,13 @@ class OpenAIApi:
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200 if self.serving else 503)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": package_version("conveyor")})
+
+    async def metrics_page(self, request: Request) -> Response:
+        """The frontend's Prometheus metrics (also on its --metrics-port)."""
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "conveyor"}
@@ -385,17 +431,18 @@ class OpenAIApi:
         refuse_unsupported(body)
         common = sampling_input(body, chat)
         messages = _messages(body) if chat else None
+        prompts = [None] if chat else _prompts(body)
+        if len(prompts) * n > MAX_N:  # counted before anything is expanded, decoded or tokenized
+            raise HttpError(400, f"prompts x n must be at most {MAX_N}, got {len(prompts) * n}", "n")
         inputs = []
-        for prompt in ([None] if chat else _prompts(body)):
+        for prompt in prompts:
             for i in range(n):
                 inputs.append(dataclasses.replace(
                     common, messages=messages, prompt=prompt if isinstance(prompt, str) else None,
                     prompt_ids=prompt if isinstance(prompt, list) else None,
                     # n seeded choices differ, and reproduce
                     seed=(common.seed + i) % SEED_RANGE if common.seed is not None else None))
-        if len(inputs) > MAX_N:
-            raise HttpError(400, f"prompts x n must be at most {MAX_N}, got {len(inputs)}", "n")
-        self.auth.open_stream(owner)  # the per-key stream limit counts HTTP requests as it counts gRPC streams
+        self.auth.open_stream(owner, len(inputs))  # each choice is a stream, as a gRPC stream is
         opened: list[ClientStream] = []
         try:
             for inp in inputs:
@@ -411,12 +458,12 @@ class OpenAIApi:
         except BaseException:
             for s in opened:
                 self.io.close(s)
-            self.auth.close_stream(owner)
+            self.auth.close_stream(owner, len(inputs))
             raise
         try:
             return JSONResponse(await reply.whole(request))
         finally:
-            self.auth.close_stream(owner)
+            self.auth.close_stream(owner, len(inputs))
 
 
 class Reply:
@@ -524,6 +571,9 @@ class Reply:
                 await queue.put((index, None))
             except ConveyorError as exc:
                 await queue.put((index, exc))
+            except Exception as exc:  # noqa: BLE001 - any reader error (a Redis error, a bug) ends this choice, said
+                log.exception("choice %d of %s failed", index, self.id)
+                await queue.put((index, ConveyorError(f"internal error: {type(exc).__name__}: {exc}")))
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
         try:
@@ -560,7 +610,7 @@ class Reply:
         finally:
             for task in tasks:
                 task.cancel()
-            self.api.auth.close_stream(owner)
+            self.api.auth.close_stream(owner, len(self.streams))
 
     async def whole(self, request: Request) -> dict:
         """The full response; a client that disconnects meanwhile aborts every choice."""

@@ -19,6 +19,7 @@ import ssl
 import time
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import grpc
 
@@ -60,7 +61,7 @@ def _chat(chat: conveyor_pb2.Chat) -> tuple[list[dict], bool]:
 def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
     s, stop = pb.sampling, pb.stop
     inp = GenerateInput(
-        request_id=pb.request_id, priority=pb.priority,
+        request_id=pb.request_id, priority=pb.priority, cache_salt=_optional(pb, "cache_salt"),
         temperature=_optional(s, "temperature"), top_k=_optional(s, "top_k"), top_p=_optional(s, "top_p"),
         min_p=_optional(s, "min_p"), repetition_penalty=_optional(s, "repetition_penalty"),
         presence_penalty=_optional(s, "presence_penalty"), frequency_penalty=_optional(s, "frequency_penalty"),
@@ -120,9 +121,9 @@ class EnginesClient:
             kind = self.CODES.get(exc.code(), Unavailable)
             raise kind(f"scheduler: {exc.details()}") from exc
 
-    def route(self, prompt_ids: list[int]) -> str:
+    def route(self, prompt_ids: list[int], scope: str = "") -> str:
         """The engine for a new request. With none serving, a registered one (the submit waits for it)."""
-        route = self.router.choose(prompt_ids, self.model)
+        route = self.router.choose(prompt_ids, self.model, scope=scope)
         if route is not None:
             self.metrics.engine_routes.labels(route.engine.name, route.reason).inc()
             return route.engine.name
@@ -132,11 +133,14 @@ class EnginesClient:
         return names[0]
 
     def submit(self, record: RequestRecord) -> None:
+        """Hand a recorded request to its engine; once accepted, its prefixes route there."""
         try:
             self._call(self.schedulers.stub(record.engine).Submit, scheduler_pb2.SubmitRequest(request_id=record.request_id))
         except Unavailable:
             self._follow(record)
             raise
+        if len(self.router.engines()) > 1:
+            self.router.remember(record.prompt_ids, record.engine, self.model, record.params.cache_scope)
 
     def _follow(self, record: RequestRecord) -> None:
         """After a failed submit: find where the request should go now (for the caller's retry)."""
@@ -147,7 +151,7 @@ class EnginesClient:
         if record.engine in {e.name for e in self.registry.live()}:
             return  # registered: it is restarting or busy; try it again
         self.router.forget(record.engine)
-        route = self.router.choose(record.prompt_ids, self.model, exclude=record.engine)
+        route = self.router.choose(record.prompt_ids, self.model, exclude=record.engine, scope=record.params.cache_scope)
         if route is not None and self.registry.reassign(record.request_id, record.engine, route.engine.name):
             self.metrics.engine_routes.labels(route.engine.name, "failover").inc()
             log.warning("engine %s is gone; request %s moves to %s", record.engine, record.client_id, route.engine.name)
@@ -299,12 +303,44 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+def guarded_protocol(header_timeout: float) -> type:
+    """uvicorn's HTTP protocol with a deadline on a request's head: a connection that has not completed a
+    request's headers ``header_timeout`` seconds after it opened (or after its last response) is closed, so
+    half-sent requests (slowloris) cannot hold the frontend's file descriptors. uvicorn's own keep-alive
+    timeout covers only connections that send nothing."""
+
+    class Guarded(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._guard = None
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # between requests: a new head is coming
+                self._arm()
+            super().data_received(data)
+
+        def _arm(self) -> None:
+            if self._guard is None:
+                self._guard = self.loop.call_later(header_timeout, self._expire, self.cycle)
+
+        def _expire(self, cycle) -> None:
+            self._guard = None
+            if self.cycle is cycle and not self.transport.is_closing():  # no request began since: its head is late
+                self.transport.close()
+
+    return Guarded
+
+
 async def serve_http(api: OpenAIApi, cfg: FrontendConfig) -> HttpServer:
-    """Start the OpenAI HTTP API on --host:--http-port (with the public API's TLS certificate when it has one)."""
+    """Start the OpenAI HTTP API on --host:--http-port (with the public API's TLS certificate when it has one),
+    with a deadline on request heads and a cap on connections."""
     config = uvicorn.Config(api.app(), host=cfg.host, port=cfg.http_port, log_level="warning", access_log=False,
                             lifespan="off", ssl_certfile=cfg.tls_cert or None, ssl_keyfile=cfg.tls_key or None,
                             ssl_ca_certs=cfg.tls_client_ca or None,
-                            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_client_ca else ssl.CERT_NONE)
+                            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_client_ca else ssl.CERT_NONE,
+                            http=guarded_protocol(cfg.http_header_timeout), limit_concurrency=cfg.http_max_connections,
+                            timeout_keep_alive=5)
     server = HttpServer(_Uvicorn(config))
     while not server.server.started:  # listening (or failed: then the task says why)
         if server.task.done():
@@ -327,7 +363,7 @@ def serve(cfg: FrontendConfig) -> None:
                     max_logit_bias=cfg.max_logit_bias)
     detokenizer = DetokenizerClient(cfg.detokenizer)
     frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, engines.submit, engines.abort,
-                        detokenizer.replay, engines.route)
+                        detokenizer.replay, engines.route, cfg.shared_prefix_cache)
     frontend.on_stalled = metrics.stalled_streams.inc
     frontend.defaults = sampling_defaults(cfg.model)
     log.info("sampling defaults for unset fields: %s", frontend.defaults)
@@ -342,7 +378,7 @@ def serve(cfg: FrontendConfig) -> None:
         internal_health = await grpc_util.add_aio_health_and_reflection(internal, [INTERNAL_SERVICE])
         frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
         internal_port = grpc_util.bind_internal(internal, cfg.internal_host, cfg.internal_port)
-        auth = grpc_util.AioAuthInterceptor(keys, cfg.max_streams_per_key)
+        auth = grpc_util.AioAuthInterceptor(keys, cfg.max_streams_per_key, cfg.max_streams)
         # beyond max_streams calls at once, gRPC answers RESOURCE_EXHAUSTED instead of queueing them unseen
         public = grpc_util.make_aio_server(metrics=metrics, interceptors=[auth], max_message_bytes=cfg.max_message_bytes,
                                            max_concurrent_rpcs=cfg.max_streams + 8, options=grpc_util.PUBLIC_KEEPALIVE)
@@ -352,7 +388,8 @@ def serve(cfg: FrontendConfig) -> None:
             ConveyorService(frontend, info, metrics, cfg.request_timeout, io), public)
         tls = grpc_util.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
         port = grpc_util.bind(public, cfg.host, cfg.port, tls)
-        http = OpenAIApi(frontend, io, metrics, sinfo.model_name, auth, cfg.request_timeout) if cfg.http_port >= 0 else None
+        http = OpenAIApi(frontend, io, metrics, sinfo.model_name, auth, cfg.request_timeout,
+                         cfg.allowed_origins) if cfg.http_port >= 0 else None
         await internal.start()
         await public.start()
         http_server = await serve_http(http, cfg) if http is not None else None

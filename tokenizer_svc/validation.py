@@ -44,8 +44,10 @@ class GenerateInput:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     priority: int = 0
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt (and API key) share cached prefixes
 
 
+MAX_CACHE_SALT = 256  # characters
 MAX_PRIORITY = 1_000_000  # |priority|: room for any scheme of levels, far from integer limits
 MAX_TOP_K = 2**31 - 1  # the worker's wire field is an int32 (any top_k past the vocabulary means "off")
 SEED_RANGE = 2**64  # seeds are unsigned 64-bit on the wire; the HTTP API's signed ones map onto them
@@ -82,6 +84,24 @@ def _finite(value: float | None, name: str) -> None:
     _check(value is None or math.isfinite(value), name, f"must be a finite number, got {value}")
 
 
+def cache_scope(owner: str, salt: str | None, shared: bool) -> str:
+    """A request's prefix-cache scope (``RequestParams.cache_scope``): its API key's unless the cache is
+    ``shared`` across keys, and within that its ``cache_salt``'s."""
+    parts = ([] if shared or not owner else [f"key:{owner}"]) + ([f"salt:{salt}"] if salt else [])
+    return "\n".join(parts)
+
+
+def check_size(inp: GenerateInput, limits: Limits) -> None:
+    """What tokenizing would cost, checked before it: a text prompt's or a chat's characters."""
+    if inp.prompt is not None:
+        _check(len(inp.prompt) <= limits.max_prompt_chars, "prompt",
+               f"has {len(inp.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    if inp.messages is not None:
+        size = sum(len(m["content"]) for m in inp.messages if isinstance(m.get("content"), str))
+        _check(size <= limits.max_prompt_chars, "chat.messages",
+               f"have {size} characters of content; the limit is {limits.max_prompt_chars}")
+
+
 def check_input(inp: GenerateInput, limits: Limits) -> None:
     """The request's own fields (before tokenizing)."""
     given = sum(x is not None for x in (inp.prompt, inp.messages, inp.prompt_ids))
@@ -92,13 +112,14 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
         _check(not bad, "prompt_ids", f"token id {bad[0] if bad else 0} is not below the vocabulary size {limits.vocab_size}")
     if inp.prompt is not None:
         _check(inp.prompt != "", "prompt", "must not be empty")
-        _check(len(inp.prompt) <= limits.max_prompt_chars, "prompt",
-               f"has {len(inp.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    check_size(inp, limits)
     if inp.messages is not None:
         _check(len(inp.messages) > 0, "chat.messages", "must not be empty")
         for i, message in enumerate(inp.messages):
             _check(message["role"] in CHAT_ROLES, f"chat.messages[{i}].role",
                    f"must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}")
+    _check(inp.cache_salt is None or 0 < len(inp.cache_salt) <= MAX_CACHE_SALT, "cache_salt",
+           f"must be 1-{MAX_CACHE_SALT} characters")
     _check(-MAX_PRIORITY <= inp.priority <= MAX_PRIORITY, "priority",
            f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {inp.priority}")
     _check(inp.request_id == "" or bool(REQUEST_ID.match(inp.request_id)), "request_id",
@@ -123,9 +144,9 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
         _check(0 <= token < limits.vocab_size, "sampling.logit_bias", f"token id {token} is not below the vocabulary size {limits.vocab_size}")
         _check(math.isfinite(bias) and -100 <= bias <= 100, "sampling.logit_bias", f"value for token {token} must be in [-100, 100], got {bias}")
     _check(inp.logprobs is None or 0 <= inp.logprobs <= limits.max_logprobs, "sampling.logprobs",
-           f"must be in [0, {limits.max_logprobs}], got {inp.logprobs}")
+           f"must be at most {limits.max_logprobs} and not negative, got {inp.logprobs}")
     _check(inp.prompt_logprobs is None or 0 <= inp.prompt_logprobs <= limits.max_logprobs, "sampling.prompt_logprobs",
-           f"must be in [0, {limits.max_logprobs}], got {inp.prompt_logprobs}")
+           f"must be at most {limits.max_logprobs} and not negative, got {inp.prompt_logprobs}")
     _check(inp.min_tokens >= 0, "stop.min_tokens", f"must be >= 0, got {inp.min_tokens}")
     _check(inp.max_tokens is None or inp.max_tokens >= 1, "stop.max_tokens", f"must be >= 1, got {inp.max_tokens}")
     _check(inp.max_tokens is None or inp.min_tokens <= inp.max_tokens, "stop.min_tokens",
@@ -142,9 +163,9 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
 
 
 def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
-                 defaults: SamplingDefaults = SamplingDefaults()) -> RequestParams:
+                 defaults: SamplingDefaults = SamplingDefaults(), scope: str = "") -> RequestParams:
     """The request's parameters with defaults filled in (sampling: the model's, ``defaults``), after the
-    prompt is tokenized."""
+    prompt is tokenized; ``scope``: its prefix-cache scope (``cache_scope``)."""
     _check(num_prompt_tokens >= 1, "prompt", "gives no tokens")
     if limits.max_prompt_tokens:
         _check(num_prompt_tokens <= limits.max_prompt_tokens, "prompt",
@@ -170,4 +191,5 @@ def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
         max_tokens=max_tokens,
         min_tokens=inp.min_tokens, stop=tuple(inp.stop), stop_token_ids=tuple(inp.stop_token_ids),
         ignore_eos=inp.ignore_eos, include_stop_str_in_output=inp.include_stop_str_in_output, priority=inp.priority,
+        cache_scope=scope,
     )
