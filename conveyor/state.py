@@ -19,7 +19,7 @@ Layout (all keys under one prefix, ``--redis-prefix``, default ``conveyor``):
     ``stopped_by_token`` (``1`` when an eos / stop token ended it: that token has no text), ``engine``
     (the engine holding it: ``conveyor.engines``), ``prompt_logprobs`` (JSON, when the request asked for them:
     one ``[token id, logprob, rank, [[id, logprob], ...]]`` per prompt token from the second; written with the
-    first output token).
+    first output token), ``cached_tokens`` (prompt tokens the prefix cache held when it was last admitted).
 ``{prefix}:req:{key}:out`` list
     The output token ids, appended once per step (position in the list = index in the output).
 ``{prefix}:alias:{owner as hex}:{client_id}`` string
@@ -84,6 +84,7 @@ class RequestRecord:
     error: str | None = None  # with finish_reason "error"
     engine: str = ""  # the engine that holds it (conveyor.engines)
     prompt_logprobs: list | None = None  # see the layout above
+    cached_tokens: int = 0
 
     def __post_init__(self):
         self.client_id = self.client_id or self.request_id
@@ -99,6 +100,8 @@ class RequestRecord:
             fields["stopped_by_token"] = "1"
         if self.prompt_logprobs is not None:
             fields["prompt_logprobs"] = json.dumps(self.prompt_logprobs, separators=(",", ":"))
+        if self.cached_tokens:
+            fields["cached_tokens"] = str(self.cached_tokens)
         for name in ("first_token", "finish", "finish_reason", "error"):
             value = getattr(self, name)
             if value is not None:
@@ -118,6 +121,7 @@ class RequestRecord:
             stopped_by_token=raw.get("stopped_by_token") == "1", owner=raw.get("owner", ""), output_ids=output_ids,
             client_id=raw.get("client_id", ""), error=raw.get("error"), engine=raw.get("engine", ""),
             prompt_logprobs=json.loads(raw["prompt_logprobs"]) if "prompt_logprobs" in raw else None,
+            cached_tokens=int(raw.get("cached_tokens", 0)),
         )
 
 
@@ -188,6 +192,10 @@ class RequestStore:
             return None
         return int(num_output or 0), status == b"finished"
 
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens the prefix cache held for the request (``usage.prompt_tokens_details.cached_tokens``)."""
+        return int(self.redis.hget(self.key(request_id), "cached_tokens") or 0)
+
     def prompt_logprobs(self, request_id: str) -> list | None:
         """The request's scored prompt (``prompt_logprobs`` in the layout), once its first token is written."""
         raw = self.redis.hget(self.key(request_id), "prompt_logprobs")
@@ -215,12 +223,23 @@ redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 return 1
 """
+# KEYS: request hashes; returns each one's engine ("" when none, or no record)
+_HOLDERS = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'engine') or '' end return out"
 _DELETE_IF = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 def _delete_if(client: redis.Redis, key: str, value: str) -> None:
     """Delete ``key`` only while it still holds ``value`` (an alias another request took stays)."""
     client.eval(_DELETE_IF, 1, key, value)
+
+
+class Fenced(Exception):
+    """A step's records name another engine now (it took them over while this one was paused): nothing of the
+    step was written. ``taken``: those requests."""
+
+    def __init__(self, taken: set[str]):
+        super().__init__(f"{len(taken)} requests are held by another engine now")
+        self.taken = taken
 
 
 class StepWriter:
@@ -246,9 +265,11 @@ class StepWriter:
         """The result of the op just queued must equal ``value`` (``exact``) or be at most ``value``."""
         self._checks.append((len(self.pipe.command_stack) - 1, request_id, value, exact))
 
-    def status(self, request_id: str, status: str) -> None:
-        self.pipe.hset(self.store.key(request_id), "status", status)
-        self._expect(request_id, 0, exact=False)
+    def status(self, request_id: str, status: str, cached_tokens: int | None = None) -> None:
+        """The request's status; ``cached_tokens`` when it was admitted (only that field may be created)."""
+        fields = {"status": status} if cached_tokens is None else {"status": status, "cached_tokens": cached_tokens}
+        self.pipe.hset(self.store.key(request_id), mapping=fields)
+        self._expect(request_id, len(fields) - 1, exact=False)
         self._queued(request_id)
 
     def tokens(self, request_id: str, token_ids: list[int], num_output: int, first_token: float | None,
@@ -290,6 +311,20 @@ class StepWriter:
         self._expire(request_id, alias)
         self._queued(request_id)
 
+    def _fenced(self, owner: str) -> list:
+        ids = list(dict.fromkeys(self._op_request))
+        keys = [self.store.key(rid) for rid in ids]
+        with self.store.redis.pipeline(transaction=True) as tx:
+            tx.watch(*keys)
+            holders = tx.eval(_HOLDERS, len(keys), *keys)
+            taken = {rid for rid, holder in zip(ids, holders) if holder.decode() not in ("", owner)}
+            if taken:
+                raise Fenced(taken)
+            tx.multi()
+            for args, options in self.pipe.command_stack:
+                tx.execute_command(*args, **options)
+            return tx.execute(raise_on_error=False)
+
     def _expire(self, request_id: str, alias: str) -> None:
         ttl_ms = max(1, int(self.store.finished_ttl * 1000))
         for key in (self.store.key(request_id), self.store.out_key(request_id), alias):
@@ -311,11 +346,16 @@ class StepWriter:
             self.pipe.zadd(self.store.inflight_key, {record.request_id: record.arrival})
         self._queued(record.request_id)
 
-    def execute(self) -> set[str]:
-        """Send everything; returns the keys whose record was not as expected or refused (to ``restore``)."""
+    def execute(self, owner: str = "") -> set[str]:
+        """Send everything; returns the keys whose record was not as expected or refused (to ``restore``).
+
+        ``owner``: the engine writing (several engines share this Redis). The writes are then fenced: they
+        land only if every record they touch still names ``owner`` (or no engine) when they land, checked in
+        the same transaction (WATCH, then the records' ``engine``, then MULTI/EXEC). A record another engine
+        took raises ``Fenced`` (nothing was written); one changed meanwhile raises ``redis.WatchError``."""
         if not self.count:
             return set()
-        results = self.pipe.execute(raise_on_error=False)
+        results = self._fenced(owner) if owner else self.pipe.execute(raise_on_error=False)
         for result in results:
             if isinstance(result, REDIS_DOWN):
                 raise result

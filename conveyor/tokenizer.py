@@ -9,6 +9,7 @@ the file gives in ``tokenizer.ggml.pre``, with the split rules llama.cpp uses fo
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +20,25 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from conveyor.cache import cache_dir_for, write_atomic
 from conveyor.model_files import ModelFileError, ModelSource, resolve_model
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a vocabulary, back to the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL = _byte_level_decoder()
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_TYPE_CONTROL = 3
@@ -96,6 +116,18 @@ class ModelTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that do not yet form a whole character come out as U+FFFD."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (OpenAI's logprob ``bytes``): part of a character for a byte-fallback or
+        byte-level piece, where its decoded text would be U+FFFD."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+            return bytes([int(byte.group(1), 16)])
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel) and all(c in BYTE_LEVEL for c in piece):
+            return bytes(BYTE_LEVEL[c] for c in piece)
+        return self.decode([token_id]).encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's own template."""

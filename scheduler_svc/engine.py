@@ -19,9 +19,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from redis.exceptions import WatchError
+
 from conveyor.engines import Lease, Registry
 from conveyor.errors import InvalidArgument, NotFound, Unavailable
-from conveyor.state import REDIS_DOWN, RequestStore
+from conveyor.state import REDIS_DOWN, Fenced, RequestStore
 from conveyor.metrics import Metrics
 from scheduler_svc.policy import Answer, Counters, Output, Scheduler, StepPlan
 from scheduler_svc.request import Request
@@ -382,7 +384,7 @@ class Engine:
                         gone |= taken
                         requests = {rid: r for rid, r in requests.items() if rid not in taken}
                         writer = self._rewrite(requests)
-                lost = writer.execute()
+                lost = writer.execute(self.name if self.lease is not None else "")
                 if not self.redis_up:
                     log.info("Redis is back after %d attempts", attempt)
                     self._set_health(redis_up=True)
@@ -398,6 +400,15 @@ class Engine:
                 requests = {rid: requests[rid] for rid in lost - hopeless if rid in requests}
                 if not requests:
                     return gone
+            except Fenced as exc:  # taken over while this engine was paused past its lease check: never written
+                log.warning("%s; their step is dropped here", exc)
+                taken = self.drop_taken(list(exc.taken))
+                gone |= taken
+                requests = {rid: r for rid, r in requests.items() if rid not in taken}
+                if not requests:
+                    return gone
+            except WatchError:  # a record changed while the step was being written: write again, checked anew
+                pass
             except REDIS_DOWN as exc:
                 if attempt % 20 == 0:
                     log.warning("Redis write failed (%s); retrying", exc)
@@ -445,7 +456,7 @@ class Engine:
         touched: dict[str, Request] = {}
         for chunk in plan.chunks:
             if chunk.registers:
-                writer.status(chunk.request.request_id, "running")
+                writer.status(chunk.request.request_id, "running", chunk.request.cached_tokens)
                 touched[chunk.request.request_id] = chunk.request
         for request in plan.preempted:
             writer.status(request.request_id, "waiting")

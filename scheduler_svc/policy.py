@@ -352,7 +352,7 @@ class Scheduler:
         self.blocks.allocate(request.request_id, hits, cached + n)
         self.waiting.remove(request)
         request.status = Status.RUNNING
-        request.num_computed = cached
+        request.num_computed = request.cached_tokens = cached
         self.admitted.append(request)
         insort(self.running, request, key=_rank)
         return self._chunk(request, n, registers=True)

@@ -47,6 +47,7 @@ class Request:
     # prompt_logprobs: one entry per prompt token from the second, (token id, logprob, rank, alternatives);
     # filled as the chunks are computed, written to Redis with the first output token
     prompt_logprobs: list | None = None
+    cached_tokens: int = 0  # tokens the prefix cache held when it was last admitted
 
     @classmethod
     def from_record(cls, record: RequestRecord, eos_token_ids: tuple[int, ...]) -> Request:
@@ -55,7 +56,7 @@ class Request:
             record.request_id, record.prompt_ids, record.params, record.params.stop_ids(eos_token_ids),
             record.arrival, output_ids=list(record.output_ids), first_token_time=record.first_token,
             frontend=record.frontend, owner=record.owner, client_id=record.client_id, engine=record.engine,
-            prompt_logprobs=record.prompt_logprobs,
+            prompt_logprobs=record.prompt_logprobs, cached_tokens=record.cached_tokens,
         )
 
     def to_record(self, now: float) -> RequestRecord:
@@ -65,7 +66,7 @@ class Request:
             self.request_id, self.prompt_ids, self.params, self.frontend, self.arrival, self.status.value,
             len(self.output_ids), self.first_token_time, now if finished else None, self.finish_reason,
             self.stopped_by_token, self.owner, list(self.output_ids), self.client_id, self.error, self.engine,
-            self.prompt_logprobs if self.output_ids else None,
+            self.prompt_logprobs if self.output_ids else None, self.cached_tokens,
         )
 
     @property

@@ -228,6 +228,26 @@ def test_plain_text_response_format_and_no_tools_still_work(client, model):
             {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
 
 
+def test_usage_tells_the_prompt_tokens_the_prefix_cache_held(client, model):
+    prompt = "A long shared system prompt about the history of bread. " * 6 + str(uuid.uuid4())
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0).usage
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = again.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.prompt_tokens and cached % 16 == 0  # whole KV blocks, never the last token
+
+
+def test_logprob_bytes_are_a_tokens_own_bytes_for_pieces_of_a_character(client, model, tokenizer):
+    pieces = tokenizer.encode(" \U0001F600")  # an emoji as byte-level pieces: neither decodes alone
+    assert len(pieces) >= 2 and all(tokenizer.decode([t]).endswith("\ufffd") for t in pieces)
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                       logit_bias={str(t): 100 for t in pieces})
+    own = {tuple(tokenizer.token_bytes(t)) for t in pieces}
+    assert tuple(tokenizer.token_bytes(pieces[-1])) == (0x80,)
+    for entry in r.choices[0].logprobs.content:
+        assert tuple(entry.bytes) in own and entry.bytes != list("\ufffd".encode())
+
+
 def test_the_private_redis_keeps_its_data_from_other_local_users(stack, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=1)  # something in the append-only file
     assert stat.S_IMODE(stack.data_dir.stat().st_mode) == 0o700

@@ -187,3 +187,38 @@ def test_a_step_written_after_the_lease_lapsed_leaves_out_what_another_engine_to
     assert published == [kept]
     assert registry.store.get(taken).output_ids == [] and registry.store.get(kept).output_ids == [5]
     assert engine.held() == [kept]
+
+
+def test_a_write_that_lands_after_a_takeover_is_refused_by_the_fence(registry):
+    """The step loop checked its lease and was then paused (a GC pause, a stopped VM) past the TTL: another
+    engine took a request meanwhile. The lease check passed, so only the write itself can tell: it is fenced
+    on the record still naming this engine, and nothing of it lands; the other request's write does."""
+    from conveyor.metrics import Metrics
+    from conveyor.state import Fenced
+    from scheduler_svc.block_manager import BlockManager
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.membership import Membership
+    from scheduler_svc.policy import Output, Scheduler, StepPlan
+
+    taken, kept = _request(registry, "a"), _request(registry, "a")
+    published = []
+    engine = Engine(Scheduler(BlockManager(64, 16), 1024, 512, 8, 16), registry.store, transport=None,
+                    publish=lambda step, outputs: published.extend(o.request.request_id for o in outputs),
+                    eos_token_ids=(2,), name="a", lease=Lease(ttl=30))
+    Membership(engine, registry, "127.0.0.1:1", "m", Metrics("scheduler")).beat()
+    engine.adopt([taken, kept])
+    registry.heartbeat(EngineInfo("b", "y"), ttl=30)
+    assert registry.reassign(taken, "a", "b")  # taken over while "a" was paused after its lease check
+    assert engine.lease.fresh()  # so the check before the write passes
+    writer = registry.store.writer()
+    writer.tokens(taken, [5], 1, None)
+    with pytest.raises(Fenced) as fenced:
+        writer.execute(owner="a")
+    assert fenced.value.taken == {taken} and registry.store.get(taken).output_ids == []
+    outputs = []
+    for rid in (taken, kept):  # the step's result, through the engine's own write path
+        engine.scheduler.requests[rid].output_ids.append(5)
+        outputs.append(Output(engine.scheduler.requests[rid], 0, [5]))
+    engine._write_and_publish(StepPlan(1, [], []), outputs, [])
+    assert registry.store.get(taken).output_ids == [] and registry.store.get(kept).output_ids == [5]
+    assert published == [kept] and engine.held() == [kept]

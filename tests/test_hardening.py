@@ -417,7 +417,7 @@ def test_credentials_made_at_first_start_secure_a_running_stack(tmp_path, monkey
 
     folder = tmp_path / "secrets"
     made = make_credentials(folder, redis_host="127.0.0.1")
-    assert sorted(made) == ["ca.pem", "cert.pem", "key.pem", "redis.conf", "redis_url"]
+    assert sorted(made) == ["ca.pem", "cert.pem", "grafana_password", "key.pem", "redis.conf", "redis_url"]
     assert make_credentials(folder) == []  # a restart keeps them
     assert all((folder / name).stat().st_mode & 0o077 == 0 for name in made)
     port = free_port()

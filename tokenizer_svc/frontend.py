@@ -242,6 +242,10 @@ class Frontend:
         self.keep_up(stream, claim=True)
         return stream
 
+    def cached_tokens(self, stream: ClientStream) -> int:
+        """Prompt tokens of the request the prefix cache held (recorded by the scheduler at admission)."""
+        return _with_redis(lambda: self.store.cached_tokens(stream.request_id), "reading the request's usage")
+
     def prompt_logprobs(self, stream: ClientStream) -> list:
         """The request's scored prompt: the scheduler wrote it to Redis with the first token, before that
         token was published."""

@@ -481,6 +481,7 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.n = n
         self.prompt_tokens = sum(s.prompt_tokens for s in streams[::n])  # each prompt once, whatever n (OpenAI)
 
     def _deltas(self, index: int) -> AsyncIterator[ClientDelta]:
@@ -535,8 +536,8 @@ class Reply:
 
         if self.chat:
             def entry(token_id: int, logprob: float) -> dict:
-                token = text(token_id)
-                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+                raw = self.api.frontend.tokenizer.token_bytes(token_id)  # a character's part: its own bytes
+                return {"token": text(token_id), "logprob": logprob, "bytes": list(raw)}
 
             return {"content": [{**entry(lp.token_id, lp.logprob),
                                  "top_logprobs": [entry(a.token_id, a.logprob) for a in lp.top]}
@@ -546,9 +547,13 @@ class Reply:
                 "top_logprobs": [{text(a.token_id): a.logprob for a in lp.top} for lp in delta.logprobs],
                 "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
 
-    def _usage(self, completion: int) -> dict:
+    async def _usage(self, completion: int) -> dict:
+        """OpenAI's usage, with the prompt tokens the prefix cache held (each prompt once, whatever n)."""
+        cached = 0
+        for stream in self.streams[:: self.n]:
+            cached += await self.api.io.run(self.api.frontend.cached_tokens, stream)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         body = {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
@@ -605,7 +610,7 @@ class Reply:
                     written[index] += len(text)
                     first[index] = False
             if self.include_usage:
-                yield self._chunk([], self._usage(sum(completion)))
+                yield self._chunk([], await self._usage(sum(completion)))
             yield b"data: [DONE]\n\n"
         finally:
             for task in tasks:
@@ -658,7 +663,7 @@ class Reply:
             for choice, entries in zip(choices, scored):
                 choice["prompt_logprobs"] = entries
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.api.model,
-                "choices": choices, "usage": self._usage(completion)}
+                "choices": choices, "usage": await self._usage(completion)}
 
 
 async def _disconnected(request: Request) -> None:
