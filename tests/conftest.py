@@ -72,3 +72,42 @@ def redis_server(tmp_path_factory):
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait()
+
+
+# ---------------------------------------------------------------- the HTTP API of a module's own ``stack``
+
+
+@pytest.fixture(scope="module")
+def api_key() -> str:
+    """The key the module's ``client`` sends (a module whose stack has keys overrides this)."""
+    return "none"
+
+
+@pytest.fixture(scope="module")
+def base(stack) -> str:
+    return stack.http_endpoint
+
+
+@pytest.fixture(scope="module")
+def client(base, api_key):
+    """The ``openai`` SDK on the module's stack, as users run it."""
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def keyed(request, stack, tmp_path_factory):
+    """A frontend with the module's API keys (its ``KEYS``: name -> key) on the same stack; its public address."""
+    from helpers import extra_frontend, stop
+
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("".join(f"{name}:{key}\n" for name, key in request.module.KEYS.items()))
+    proc, address = extra_frontend(stack, "--api-keys-file", str(keys))
+    yield address
+    stop(proc)

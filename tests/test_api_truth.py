@@ -24,7 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import conveyor_command, extra_frontend, free_port, hf_logits, scheduler_stats, start_stack, stop
+from helpers import conveyor_command, free_port, hf_logits, scheduler_stats, start_stack
 
 from conveyor.client import Client
 from conveyor.errors import InvalidArgument
@@ -105,21 +105,6 @@ def stack(tmp_path_factory):
     s.data_dir = folder / "data"
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def base(stack):
-    return stack.http_endpoint
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")
@@ -323,16 +308,6 @@ def test_sizes_are_checked_before_expansion_or_tokenization(base, client, model,
 
 
 KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-fedcba9876543210"}
-
-
-@pytest.fixture(scope="module")
-def keyed(stack, tmp_path_factory):
-    """A frontend with two API keys on the same stack (its engine and prefix cache); its public address."""
-    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text("".join(f"{n}:{k}\n" for n, k in KEYS.items()))
-    proc, address = extra_frontend(stack, "--api-keys-file", str(keys))
-    yield address
-    stop(proc)
 
 
 def test_the_prefix_cache_is_scoped_per_api_key_and_per_cache_salt(stack, keyed):

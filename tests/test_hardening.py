@@ -63,16 +63,6 @@ def stack(tmp_path_factory, poison_token):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def keyed(stack, tmp_path_factory):
-    """A frontend with API keys on the same stack; its public address."""
-    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text("".join(f"{n}:{k}\n" for n, k in KEYS.items()))
-    proc, address = extra_frontend(stack, "--api-keys-file", str(keys))
-    yield address
-    stop(proc)
-
-
 def _store(stack) -> RequestStore:
     return RequestStore.from_url(stack.redis_url)
 

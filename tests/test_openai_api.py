@@ -34,18 +34,8 @@ def stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base(stack):
-    return stack.http_endpoint
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
+def api_key() -> str:
+    return KEY
 
 
 def sse(response: httpx.Response) -> list:
