@@ -25,7 +25,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -61,7 +60,7 @@ class Run:
     def __init__(self, stack):
         self.stack = stack
         self.client = Client(stack.endpoint, timeout=1200)
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(stack.child("scheduler").health))
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(stack.channel("scheduler"))
 
     def counters(self) -> tuple[int, int]:
         stats = self.scheduler.Stats(scheduler_pb2.StatsRequest(), timeout=10)

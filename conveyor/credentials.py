@@ -68,17 +68,25 @@ def _write(path: Path, data: bytes, uid: int | None) -> None:
         os.chown(path, uid, -1)
 
 
+def make_internal_tls(folder: str | Path) -> list[str]:
+    """The internal certificates in ``folder`` (made 0700), unless all three are there; returns the names written."""
+    folder = Path(folder)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if all((folder / name).exists() for name in ("ca.pem", "cert.pem", "key.pem")):
+        return []
+    written = []
+    for name, data in make_internal_certificates().items():
+        (folder / name).unlink(missing_ok=True)
+        _write(folder / name, data, None)
+        written.append(name)
+    return written
+
+
 def make_credentials(folder: str | Path, redis_host: str = "redis", redis_uid: int | None = None,
                      grafana_uid: int | None = None) -> list[str]:
     """Write what is missing in ``folder`` (see the module doc); returns the names written."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    if not all((folder / name).exists() for name in ("ca.pem", "cert.pem", "key.pem")):
-        for name, data in make_internal_certificates().items():
-            (folder / name).unlink(missing_ok=True)
-            _write(folder / name, data, None)
-            written.append(name)
+    written = make_internal_tls(folder)
     if not (folder / "redis.conf").exists() or not (folder / "redis_url").exists():
         password = secrets.token_urlsafe(32)
         for name, text in (("redis.conf", f"requirepass {password}\n"),

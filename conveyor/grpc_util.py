@@ -307,10 +307,10 @@ INTERNAL_TLS_ENV = "CONVEYOR_INTERNAL_TLS_DIR"
 INTERNAL_TLS_NAME = "conveyor-internal"  # the name internal certificates carry (subjectAltName DNS)
 
 
-def _internal_tls() -> tuple[bytes, bytes, bytes] | None:
-    """(ca, cert, key) PEMs from the folder in ``CONVEYOR_INTERNAL_TLS_DIR`` (ca.pem, cert.pem, key.pem),
-    or None: then internal services talk plain gRPC (on localhost by default)."""
-    folder = os.environ.get(INTERNAL_TLS_ENV)
+def _internal_tls(folder: str | None = None) -> tuple[bytes, bytes, bytes] | None:
+    """(ca, cert, key) PEMs from ``folder`` or the one in ``CONVEYOR_INTERNAL_TLS_DIR`` (ca.pem, cert.pem,
+    key.pem), or None: then internal services talk plain gRPC (on localhost by default)."""
+    folder = folder or os.environ.get(INTERNAL_TLS_ENV)
     if not folder:
         return None
     try:
@@ -319,10 +319,11 @@ def _internal_tls() -> tuple[bytes, bytes, bytes] | None:
         raise ConfigError(f"{INTERNAL_TLS_ENV}={folder}: {exc}") from exc
 
 
-def internal_channel(address: str) -> grpc.Channel:
-    """A channel to another Conveyor service: mutual TLS when ``CONVEYOR_INTERNAL_TLS_DIR`` is set.
-    Every service's certificate names ``conveyor-internal``, so any address (IP, compose name) works."""
-    tls = _internal_tls()
+def internal_channel(address: str, tls_dir: str | None = None) -> grpc.Channel:
+    """A channel to another Conveyor service: mutual TLS with the certificates in ``tls_dir``, or in
+    ``CONVEYOR_INTERNAL_TLS_DIR`` when that is set. Every service's certificate names ``conveyor-internal``, so
+    any address (IP, compose name) works."""
+    tls = _internal_tls(tls_dir)
     if tls is None:
         return grpc.insecure_channel(address, options=channel_options())
     ca, cert, key = tls

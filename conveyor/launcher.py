@@ -83,6 +83,9 @@ class UpConfig:
                                                "(default: each key its own)")
     allowed_origins: str = setting("*", "origins a browser may call the HTTP API from (CORS), comma-separated; '*': "
                                         "any (vLLM's default); '': none")
+    internal_tls: bool = setting(True, "internal services talk mutual TLS (only the stack's own processes may call "
+                                       "them), with certificates made at first start in --data-dir/credentials or a "
+                                       "temporary folder; CONVEYOR_INTERNAL_TLS_DIR names your own")
     tls_cert: str = setting("", "PEM certificate of the public API (with --tls-key: TLS)")
     tls_key: str = setting("", "PEM private key of the public API")
 
@@ -145,6 +148,11 @@ class Stack:
     endpoint: str = ""
     http_endpoint: str = ""  # the OpenAI-compatible HTTP API's base URL ("" when off)
     redis_url: str = ""
+    internal_tls_dir: str = ""  # the certificates of internal mutual TLS ("" : plain gRPC on localhost)
+
+    def channel(self, name: str) -> grpc.Channel:
+        """A channel to a child's gRPC port, with the stack's internal credentials."""
+        return grpc_util.internal_channel(self.child(name).health, self.internal_tls_dir or None)
 
     def stop(self, timeout: float = 10.0) -> None:
         for child in reversed(self.children):
@@ -212,11 +220,13 @@ def _serve(service: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "conveyor.cli", "serve", service, *flags]
 
 
-def wait_serving(address: str, service: str, process: subprocess.Popen, timeout: float, name: str = "") -> None:
-    """Poll ``grpc.health.v1`` at ``address`` until ``service`` is SERVING; fail if ``process`` exits."""
+def wait_serving(address: str, service: str, process: subprocess.Popen, timeout: float, name: str = "",
+                 tls_dir: str | None = None) -> None:
+    """Poll ``grpc.health.v1`` at ``address`` until ``service`` is SERVING; fail if ``process`` exits.
+    ``tls_dir``: the internal certificates the service asks for (default: ``CONVEYOR_INTERNAL_TLS_DIR``)."""
     name = name or service
     deadline = time.monotonic() + timeout
-    with grpc_util.internal_channel(address) as channel:
+    with grpc_util.internal_channel(address, tls_dir) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -233,7 +243,22 @@ def wait_serving(address: str, service: str, process: subprocess.Popen, timeout:
 
 
 def _wait_serving(child: Child, deadline: float) -> None:
-    wait_serving(child.health, child.service, child.process, max(0.1, deadline - time.monotonic()), child.name)
+    wait_serving(child.health, child.service, child.process, max(0.1, deadline - time.monotonic()), child.name,
+                 (child.env or {}).get(grpc_util.INTERNAL_TLS_ENV))
+
+
+def _internal_tls_dir(cfg: UpConfig) -> str:
+    """The internal certificates: CONVEYOR_INTERNAL_TLS_DIR's, else made (once) in --data-dir/credentials or a
+    temporary folder; "" with --no-internal-tls."""
+    if os.environ.get(grpc_util.INTERNAL_TLS_ENV):
+        return os.environ[grpc_util.INTERNAL_TLS_ENV]
+    if not cfg.internal_tls:
+        return ""
+    from conveyor.credentials import make_internal_tls  # noqa: PLC0415 - cryptography only when it is needed
+
+    folder = Path(cfg.data_dir) / "credentials" if cfg.data_dir else Path(tempfile.mkdtemp(prefix="conveyor-tls-"))
+    make_internal_tls(folder)
+    return str(folder)
 
 
 def _start_redis(cfg: UpConfig, stack: Stack) -> str:
@@ -279,6 +304,8 @@ def start(cfg: UpConfig) -> Stack:
                        if f.name.endswith("port") and getattr(cfg, f.name) > 0)
     try:
         stack.redis_url = cfg.redis_url or _start_redis(cfg, stack)
+        stack.internal_tls_dir = _internal_tls_dir(cfg)
+        tls_env = {grpc_util.INTERNAL_TLS_ENV: stack.internal_tls_dir} if stack.internal_tls_dir else {}
         ports = {name: getattr(cfg, f"{name}_port") or free_port() for name in ("detokenizer", "deliver")}
         metrics = {name: getattr(cfg, f"{name}_metrics_port") or free_port() for name in ("detokenizer", "frontend")}
         common = ["--log-level", cfg.log_level, "--metrics-host", cfg.metrics_host]
@@ -323,7 +350,7 @@ def start(cfg: UpConfig) -> Stack:
         ]
         for name, service, flags, health, grpc_service in plan:
             argv = _serve(service, *flags)
-            env = dict(os.environ, **{f"CONVEYOR_{service.upper()}_REDIS_URL": stack.redis_url})
+            env = dict(os.environ, **{f"CONVEYOR_{service.upper()}_REDIS_URL": stack.redis_url}, **tls_env)
             metrics_port = flags[flags.index("--metrics-port") + 1]
             stack.children.append(Child(name, _popen(argv, env), health, grpc_service, argv,
                                         f"{cfg.metrics_host}:{metrics_port}", env=env))

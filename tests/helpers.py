@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor import launcher
+from conveyor import grpc_util, launcher
 from conveyor.launcher import free_port  # noqa: F401 - re-exported for the tests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,17 +85,24 @@ def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0].float()
 
 
-def wait_serving(address: str, service: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    launcher.wait_serving(address, service, proc, timeout)
+def wait_serving(address: str, service: str, proc: subprocess.Popen, timeout: float = 120.0,
+                 tls_dir: str | None = None) -> None:
+    launcher.wait_serving(address, service, proc, timeout, tls_dir=tls_dir)
+
+
+def wait_child(stack: launcher.Stack, child: launcher.Child, timeout: float = 120.0) -> None:
+    """A child of ``stack`` (started again) SERVING, asked with the stack's internal credentials."""
+    launcher.wait_serving(child.health, child.service, child.process, timeout, child.name, stack.internal_tls_dir or None)
 
 
 def conveyor_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "conveyor.cli", *args]
 
 
-def spawn(*args: str) -> subprocess.Popen:
-    """``conveyor <args>`` as a child process; a served process gets a free metrics port."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``conveyor <args>`` as a child process (``env``: more environment); a served process gets a free metrics
+    port."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     extra = ["--metrics-port", "0"] if args[:1] == ("serve",) else []
     return subprocess.Popen(
         conveyor_command(*args, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -127,14 +134,19 @@ def supervised_stack(data_dir, **overrides):
         stack.stop()
 
 
+def internal_tls_env(stack: launcher.Stack) -> dict[str, str]:
+    """The environment a process joining ``stack`` needs to talk to its internal services."""
+    return {grpc_util.INTERNAL_TLS_ENV: stack.internal_tls_dir} if stack.internal_tls_dir else {}
+
+
 def extra_frontend(stack: launcher.Stack, *flags: str) -> tuple[subprocess.Popen, str]:
     """Another frontend on ``stack`` (its scheduler, detokenizer and Redis), SERVING; returns it and its
     public address. The caller stops it."""
     port, internal = free_port(), free_port()
     proc = spawn("serve", "frontend", "--port", str(port), "--internal-port", str(internal), "--http-port", "-1",
                  "--detokenizer", stack.child("detokenizer").health,
-                 "--redis-url", stack.redis_url, "--log-level", "WARNING", *flags)
-    wait_serving(f"127.0.0.1:{internal}", "conveyor.v1.Frontend", proc)
+                 "--redis-url", stack.redis_url, "--log-level", "WARNING", *flags, env=internal_tls_env(stack))
+    wait_serving(f"127.0.0.1:{internal}", "conveyor.v1.Frontend", proc, tls_dir=stack.internal_tls_dir or None)
     return proc, f"127.0.0.1:{port}"
 
 
@@ -213,11 +225,9 @@ class TinyScheduler:
 
 def scheduler_stats(stack):
     """The scheduler's Stats (running, waiting, free blocks ...)."""
-    import grpc
-
     from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    with grpc.insecure_channel(stack.child("scheduler").health) as channel:
+    with stack.channel("scheduler") as channel:
         return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=10)
 
 

@@ -241,6 +241,21 @@ def test_the_private_redis_keeps_its_data_from_other_local_users(stack, client, 
         [(p.name, oct(p.stat().st_mode)) for p in files]
 
 
+def test_the_internal_services_refuse_callers_without_the_stacks_certificate(stack):
+    """conveyor up's default: internal mutual TLS with certificates it made, so no other local process can list
+    requests (Stats), abort another tenant's (Abort) or drive the worker."""
+    import grpc
+
+    from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    assert stack.internal_tls_dir
+    with grpc.insecure_channel(stack.child("scheduler").health) as plain, pytest.raises(grpc.RpcError):
+        scheduler_pb2_grpc.SchedulerStub(plain).Abort(scheduler_pb2.SchedulerAbortRequest(request_id="x"), timeout=5)
+    with grpc.insecure_channel(stack.child("worker").health) as plain, pytest.raises(grpc.RpcError):
+        worker_pb2_grpc.WorkerStub(plain).Info(worker_pb2.InfoRequest(), timeout=5)
+    assert scheduler_stats(stack).num_blocks > 0  # with the stack's certificate: answered
+
+
 def test_grpc_error_series_are_exported_at_zero_from_the_start(stack):
     text = httpx.get(f"http://{stack.child('scheduler').metrics}/metrics", timeout=10).text
     assert 'conveyor_grpc_errors_total{code="UNAVAILABLE",method="/conveyor.v1.Scheduler/Abort"} 0.0' in text

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import TinyScheduler, make_runner, scheduler_stats, start_stack, supervised_stack, wait_serving
+from helpers import TinyScheduler, make_runner, scheduler_stats, start_stack, supervised_stack, wait_child
 
 from conveyor.client import Client
 from conveyor.state import RequestStore
@@ -100,7 +100,7 @@ def test_a_restarted_worker_empties_the_cache(stack, tok, base, default_model):
         worker = stack.child("worker")
         os.kill(worker.process.pid, signal.SIGKILL)
         time.sleep(1.0)  # the supervisor restarts it after 0.5 s
-        wait_serving(worker.health, worker.service, worker.process)
+        wait_child(stack, worker)
         assert _generate(client, [prompt], MAX_TOKENS) == [expected]
     # the cache was emptied: only what this request computed since is in it
     assert scheduler_stats(stack).cached_blocks <= (len(prompt) + MAX_TOKENS) // BLOCK

@@ -21,8 +21,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import extra_frontend, stop, supervised_stack, wait_serving
+from helpers import extra_frontend, stop, supervised_stack, wait_child
 
+from conveyor import grpc_util
 from conveyor.client import Client
 from conveyor.errors import ConveyorError
 
@@ -145,9 +146,10 @@ def check(name: str, results: list[Received], reference: list[Received]) -> None
     assert not differ, [(PROMPTS[i], results[i].text, reference[i].text) for i in differ[:2]]
 
 
-def _health(address: str) -> int:
+def _health(address: str, tls_dir: str | None = None) -> int:
+    """A health check of a public (``tls_dir`` None) or internal address."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with (grpc_util.internal_channel(address, tls_dir) if tls_dir else grpc.insecure_channel(address)) as channel:
             return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
     except grpc.RpcError:
         return -1
@@ -156,7 +158,7 @@ def _health(address: str) -> int:
 def _wait_all_serving(stack, timeout: float = 120.0) -> None:
     for child in stack.children:
         if child.health:
-            wait_serving(child.health, child.service, child.process, timeout)
+            wait_child(stack, child, timeout)
 
 
 def _kill(stack, name: str, when: dict) -> None:
@@ -172,7 +174,7 @@ def test_worker_killed(stack, reference):
         _kill(stack, "worker", when)
         scheduler = stack.child("scheduler").health
         while time.monotonic() - when["t"] < 5 and "scheduler" not in seen:  # it notices the worker is gone
-            if _health(scheduler) == health_pb2.HealthCheckResponse.NOT_SERVING:
+            if _health(scheduler, stack.internal_tls_dir) == health_pb2.HealthCheckResponse.NOT_SERVING:
                 seen["scheduler"] = time.monotonic() - when["t"]
             time.sleep(0.02)
         while time.monotonic() - when["t"] < 8 and "frontend" not in seen:  # and the public health follows
@@ -246,7 +248,7 @@ def test_worker_restarted_with_a_smaller_cache_is_adopted(stack, reference):
     from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     def stats():
-        with grpc.insecure_channel(stack.child("scheduler").health) as s:
+        with stack.channel("scheduler") as s:
             return scheduler_pb2_grpc.SchedulerStub(s).Stats(scheduler_pb2.StatsRequest(), timeout=10)
 
     worker = stack.child("worker")
@@ -255,7 +257,7 @@ def test_worker_restarted_with_a_smaller_cache_is_adopted(stack, reference):
     worker.argv[flag + 1] = str(int(worker.argv[flag + 1]) // 2)  # what the supervisor will start next
     results = run_load(stack.endpoint, "resized", lambda: _kill(stack, "worker", {}))
     check("worker with half the cache", results, reference)
-    with grpc.insecure_channel(worker.health) as w:
+    with stack.channel("worker") as w:
         blocks = worker_pb2_grpc.WorkerStub(w).Info(worker_pb2.InfoRequest(), timeout=10).num_blocks
     after = stats()
     assert blocks < old_blocks

@@ -68,7 +68,7 @@ def _store(stack) -> RequestStore:
 
 
 def _stub(stack, name: str):
-    channel = grpc.insecure_channel(stack.child(name).health)
+    channel = stack.channel(name)
     return channel, health_pb2_grpc.HealthStub(channel)
 
 

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import scheduler_stats, start_stack, wait_serving
+from helpers import scheduler_stats, start_stack, wait_child
 from test_faults import _counter, check, run_load
 
 from conveyor.client import Client
@@ -58,7 +58,7 @@ def test_an_engine_killed_mid_run_loses_nothing_and_comes_back_for_new_work(stac
         child.process = child.spawn()
     for name in ("worker-1", "scheduler-1"):
         child = stack.child(name)
-        wait_serving(child.health, child.service, child.process)
+        wait_child(stack, child)
     time.sleep(TTL)  # registered, and the frontend's router read it
     with Client(stack.endpoint, timeout=120) as client, ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: client.generate(f"Tell me about the number {i}.", max_tokens=4), range(16)))

@@ -47,7 +47,7 @@ def client(stack):
 
 
 def _scheduler_stub(stack) -> scheduler_pb2_grpc.SchedulerStub:
-    return scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(stack.child("scheduler").health))
+    return scheduler_pb2_grpc.SchedulerStub(stack.channel("scheduler"))
 
 
 def _chat(text: str) -> list[dict]:
