@@ -201,9 +201,10 @@ class RequestStore:
         raw = self.redis.hget(self.key(request_id), "prompt_logprobs")
         return json.loads(raw) if raw is not None else None
 
-    def set_frontend(self, request_id: str, address: str) -> None:
-        """Deliver this request's deltas to another frontend from now on (a client resumed there)."""
-        self.redis.hset(self.key(request_id), "frontend", address)
+    def set_frontend(self, request_id: str, address: str) -> bool:
+        """Deliver this request's deltas to another frontend from now on (a client resumed there). A record that
+        expired meanwhile is not brought back as a stray hash without a TTL: False then."""
+        return bool(self.redis.eval(_SET_IF_EXISTS, 1, self.key(request_id), "frontend", address))
 
     def inflight(self) -> list[str]:
         """Ids of unfinished requests, oldest first."""
@@ -223,6 +224,7 @@ redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 return 1
 """
+_SET_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) + 1 end return 0"
 # KEYS: request hashes; returns each one's engine ("" when none, or no record)
 _HOLDERS = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'engine') or '' end return out"
 _DELETE_IF = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"

@@ -24,7 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import conveyor_command, free_port, hf_logits, scheduler_stats, start_stack
+from helpers import conveyor_command, extra_frontend, free_port, hf_logits, scheduler_stats, start_stack, stop
 
 from conveyor.client import Client
 from conveyor.errors import InvalidArgument
@@ -267,6 +267,21 @@ def test_each_choice_counts_as_a_stream_toward_the_per_key_limit(client, model):
         client.completions.create(model=model, prompt=PROMPT, max_tokens=1, n=MAX_STREAMS + 1)
     with pytest.raises(openai.RateLimitError):
         client.completions.create(model=model, prompt=[PROMPT] * 3, max_tokens=1, n=2)
+
+
+def test_the_frontends_stream_limit_covers_both_apis(stack, model):
+    port = free_port()
+    proc, address = extra_frontend(stack, "--http-port", str(port), "--max-streams", "2")
+    try:
+        http = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        with Client(address, timeout=60) as grpc_client, grpc_client.stream(
+                PROMPT, max_tokens=250, ignore_eos=True, temperature=0) as long:
+            next(iter(long))  # one gRPC stream open
+            with pytest.raises(openai.RateLimitError, match="max-streams"):
+                http.completions.create(model=model, prompt=PROMPT, max_tokens=1, n=2)
+            assert http.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.completion_tokens == 1
+    finally:
+        stop(proc)
 
 
 def test_browsers_get_cors_and_every_response_an_x_request_id(base):

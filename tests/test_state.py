@@ -61,3 +61,14 @@ def test_a_command_redis_refuses_is_that_requests_alone_and_the_rewrite_heals_it
     writer = store.writer()
     writer.restore(bad)
     assert writer.execute() == set() and store.get(bad.request_id).output_ids == [6]
+
+
+def test_claiming_an_expired_record_does_not_bring_back_a_hash_without_a_ttl(redis_server):
+    store = RequestStore.from_url(redis_server, prefix=f"state-{uuid.uuid4().hex[:8]}")
+    record = RequestRecord(uuid.uuid4().hex, [1, 2], RequestParams())
+    assert store.create(record)
+    assert store.set_frontend(record.request_id, "10.0.0.1:1")
+    assert store.get(record.request_id).frontend == "10.0.0.1:1"
+    store.redis.delete(store.key(record.request_id))  # it expired (finished --finished-ttl ago)
+    assert not store.set_frontend(record.request_id, "10.0.0.2:2")
+    assert not store.redis.exists(store.key(record.request_id))

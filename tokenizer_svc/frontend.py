@@ -237,7 +237,9 @@ class Frontend:
         stream.prompt_ids, stream.scores_prompt = record.prompt_ids, record.params.prompt_logprobs is not None
         with self.lock:
             self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed
-        _with_redis(lambda: self.store.set_frontend(request_id, self.address), "claiming the request")
+        if not _with_redis(lambda: self.store.set_frontend(request_id, self.address), "claiming the request"):
+            self._unregister(request_id)
+            raise NotFound(f"request_id {client_id!r}: its record expired just now")
         stream.behind = True
         self.keep_up(stream, claim=True)
         return stream
