@@ -24,7 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import conveyor_command, extra_frontend, free_port, hf_logits, scheduler_stats, start_stack, stop
+from helpers import conveyor_command, drained, extra_frontend, free_port, hf_logits, scheduler_stats, start_stack, stop
 
 from conveyor.client import Client
 from conveyor.errors import InvalidArgument
@@ -282,6 +282,20 @@ def test_the_frontends_stream_limit_covers_both_apis(stack, model):
             assert http.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.completion_tokens == 1
     finally:
         stop(proc)
+
+
+def test_a_client_that_leaves_a_plain_request_aborts_it_without_a_traceback(stack):
+    port = free_port()
+    proc, _ = extra_frontend(stack, "--http-port", str(port))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=1.0, json={
+                "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0})
+        assert drained(stack, timeout=10).running == 0  # aborted, not decoded for nobody
+    finally:
+        stop(proc)
+    output = proc.stdout.read()
+    assert "never retrieved" not in output and "Traceback" not in output, output[-2000:]
 
 
 def test_browsers_get_cors_and_every_response_an_x_request_id(base):

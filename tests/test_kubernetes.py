@@ -128,3 +128,50 @@ def test_the_gpu_overlay_gives_each_engine_a_gpu_and_the_cpu_one_none():
         worker = next(c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
         assert shlex.join(worker["args"]).count(f"--device {device}") == 1
         assert ("nvidia.com/gpu" in worker["resources"].get("limits", {})) == (overlay == "gpu")
+
+
+def _allowed(policy: dict, port: int) -> list[set[str] | None]:
+    """Who may reach ``port`` of the pods ``policy`` selects: per matching rule, the app names it allows
+    (None: anyone)."""
+    out = []
+    for rule in policy["spec"]["ingress"]:
+        if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
+            continue
+        if "from" not in rule:
+            out.append(None)
+            continue
+        names = set()
+        for peer in rule["from"]:
+            selector = peer["podSelector"]
+            names |= {selector["matchLabels"]["app.kubernetes.io/name"]} if "matchLabels" in selector else \
+                set(selector["matchExpressions"][0]["values"])
+        out.append(names)
+    return out
+
+
+def test_each_internal_port_is_open_to_its_callers_alone(objects):
+    policies = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]: p
+                for p in _by_kind(objects, "NetworkPolicy").values()}
+    assert _allowed(policies["engine"], 50053) == []  # the worker: only its own scheduler, inside the pod
+    assert _allowed(policies["engine"], 50052) == [{"frontend", "detokenizer"}]
+    assert _allowed(policies["redis"], 6379) == [{"frontend", "detokenizer", "engine"}]
+    assert _allowed(policies["detokenizer"], 50054) == [{"frontend", "engine"}]
+    assert _allowed(policies["frontend"], 50055) == [{"detokenizer"}]
+    assert _allowed(policies["frontend"], 8000) == [None] and _allowed(policies["engine"], 9103) == [None]
+    redis = _by_kind(objects, "StatefulSet")["redis"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert redis[redis.index("--maxmemory-policy") + 1] == "noeviction" and "--maxmemory" in redis
+
+
+def test_compose_keeps_monitoring_on_loopback_and_secrets_in_files():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in services[name]["ports"]), services[name]["ports"]
+    grafana = services["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/secrets/grafana_password"
+    assert "--grafana-uid" in services["credentials"]["command"]
+    frontend = services["frontend"]
+    args = build_parser().parse_args(frontend["command"])
+    assert args.api_keys_file == "/run/secrets/api_keys" and frontend["secrets"] == ["api_keys"]
+    assert not any("API_KEYS" in name and not name.endswith("_FILE") for name in frontend["environment"])
+    assert compose["secrets"]["api_keys"]["file"].endswith("deploy/api-keys.empty}")

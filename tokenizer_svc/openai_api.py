@@ -640,6 +640,9 @@ class Reply:
 
         tasks = [asyncio.create_task(collect(i)) for i in range(len(self.streams))]
         gathered = asyncio.gather(*tasks)
+        # once done, its outcome counts as seen: a client that left cancels it, and an unseen CancelledError would
+        # log "exception was never retrieved" with a traceback
+        gathered.add_done_callback(lambda done: done.cancelled() or done.exception())
         watch = asyncio.create_task(_disconnected(request))
         try:
             done, _ = await asyncio.wait([watch, gathered], return_when=asyncio.FIRST_COMPLETED)
@@ -651,8 +654,6 @@ class Reply:
             for task in tasks:
                 task.cancel()
             gathered.cancel()
-            if gathered.done() and not gathered.cancelled():
-                gathered.exception()  # retrieved: a client that left must not log "exception was never retrieved"
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
                         "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
