@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from helpers import conveyor_command, drained, extra_frontend, free_port, hf_logits, scheduler_stats, start_stack, stop
 
@@ -561,17 +561,21 @@ def _body():
                                                          "logit_bias": st.dictionaries(
                                                              st.sampled_from(["-1", "0", str(2**40)]),
                                                              st.sampled_from(BOUNDS), max_size=3)}),
-                     st.booleans())
+                     st.booleans(), st.none() | STRINGS | st.just("y" * ((1 << 20) + 1)))
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(parts=_body())
+@example(parts=({"seed": -1}, {}, False, None))  # the request that took the engine down (issue 19)
+@example(parts=({"top_k": 2**31, "min_tokens": -1}, {}, True, None))
 def test_fuzz_every_numeric_field_at_its_bounds_never_harms_another_request(stack, base, client, model, reference,
                                                                            parts):
-    numbers, rest, chat = parts
+    numbers, rest, chat, text = parts
     grpc_endpoint = stack.endpoint
-    body = {**({"messages": CHAT} if chat else {"prompt": PROMPT}), "max_tokens": 2, **numbers, **rest}
+    text = PROMPT if text is None else text
+    body = {**({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}), "max_tokens": 2,
+            **numbers, **rest}
     for name in ("max_tokens", "n"):  # keep an accepted request short
         if isinstance(body.get(name), int) and body[name] > 2:
             body[name] = 2
