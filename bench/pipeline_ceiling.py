@@ -109,12 +109,14 @@ def main() -> None:
                         "('default': where the worker's arithmetic shows next to the pipeline's)")
     parser.add_argument("--numerics", choices=["exact", "fast"], default="fast")
     parser.add_argument("--tokenizer", default="default", help="the tiny model's tokenizer: that of this --model")
+    parser.add_argument("--internal-tls", action=argparse.BooleanOptionalAction, default=True,
+                        help="internal mutual TLS, as conveyor up by default (--no-internal-tls: plain gRPC)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny-llama", args.tokenizer) if args.model == "tiny" else args.model
         stack = start(UpConfig(model=str(model), port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0,
                                deliver_port=0, kv_cache_bytes=256 << 20, max_num_seqs=256, log_level="WARNING",
-                               numerics=args.numerics,
+                               numerics=args.numerics, internal_tls=args.internal_tls,
                                data_dir=str(Path(tmp) / "redis"),
                                **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}))
         try:
