@@ -223,11 +223,11 @@ class TinyScheduler:
         return [s["out"] for s in seqs], [s["lp"] for s in seqs]
 
 
-def scheduler_stats(stack):
-    """The scheduler's Stats (running, waiting, free blocks ...)."""
+def scheduler_stats(stack, name: str = "scheduler"):
+    """The Stats of the stack's scheduler ``name`` (running, waiting, free blocks ...)."""
     from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    with stack.channel("scheduler") as channel:
+    with stack.channel(name) as channel:
         return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=10)
 
 

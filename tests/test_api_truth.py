@@ -269,31 +269,34 @@ def test_each_choice_counts_as_a_stream_toward_the_per_key_limit(client, model):
         client.completions.create(model=model, prompt=[PROMPT] * 3, max_tokens=1, n=2)
 
 
-def test_the_frontends_stream_limit_covers_both_apis(stack, model):
+@pytest.fixture(scope="module")
+def small_frontend(stack):
+    """Another frontend on the stack, serving both APIs with --max-streams 2, its output kept:
+    (process, gRPC address, HTTP base URL)."""
     port = free_port()
     proc, address = extra_frontend(stack, "--http-port", str(port), "--max-streams", "2")
-    try:
-        http = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        with Client(address, timeout=60) as grpc_client, grpc_client.stream(
-                PROMPT, max_tokens=250, ignore_eos=True, temperature=0) as long:
-            next(iter(long))  # one gRPC stream open
-            with pytest.raises(openai.RateLimitError, match="max-streams"):
-                http.completions.create(model=model, prompt=PROMPT, max_tokens=1, n=2)
-            assert http.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.completion_tokens == 1
-    finally:
-        stop(proc)
+    yield proc, address, f"http://127.0.0.1:{port}"
+    stop(proc)
 
 
-def test_a_client_that_leaves_a_plain_request_aborts_it_without_a_traceback(stack):
-    port = free_port()
-    proc, _ = extra_frontend(stack, "--http-port", str(port))
-    try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=1.0, json={
-                "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0})
-        assert drained(stack, timeout=10).running == 0  # aborted, not decoded for nobody
-    finally:
-        stop(proc)
+def test_the_frontends_stream_limit_covers_both_apis(small_frontend, model):
+    _, address, http_base = small_frontend
+    http = openai.OpenAI(base_url=http_base + "/v1", api_key="none", max_retries=0, timeout=60)
+    with Client(address, timeout=60) as grpc_client, grpc_client.stream(
+            PROMPT, max_tokens=250, ignore_eos=True, temperature=0) as long:
+        next(iter(long))  # one gRPC stream open
+        with pytest.raises(openai.RateLimitError, match="max-streams"):
+            http.completions.create(model=model, prompt=PROMPT, max_tokens=1, n=2)
+        assert http.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_client_that_leaves_a_plain_request_aborts_it_without_a_traceback(stack, small_frontend):
+    proc, _, http_base = small_frontend
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(http_base + "/v1/completions", timeout=1.0, json={
+            "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0})
+    assert drained(stack, timeout=10).running == 0  # aborted, not decoded for nobody
+    stop(proc)  # its output, to the end
     output = proc.stdout.read()
     assert "never retrieved" not in output and "Traceback" not in output, output[-2000:]
 

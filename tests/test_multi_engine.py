@@ -30,11 +30,7 @@ def stack(tmp_path_factory):
 
 
 def _stats(stack, engine: int):
-    class View:  # scheduler_stats of one engine's scheduler
-        def child(self, name):
-            return stack.child(name if engine == 0 else f"{name}-{engine}")
-
-    return scheduler_stats(View())
+    return scheduler_stats(stack, "scheduler" if engine == 0 else f"scheduler-{engine}")
 
 
 def test_an_engine_killed_mid_run_loses_nothing_and_comes_back_for_new_work(stack):
