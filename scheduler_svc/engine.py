@@ -235,7 +235,7 @@ class Engine:
                 continue
             sent, sent_decided = in_flight.popleft()
             try:
-                sampled = self.transport.receive(sent)
+                answer = self.transport.receive(sent)
             except Exception as exc:  # noqa: BLE001 - any failure means the worker's state is unknown
                 backoff = self._recover(sent, exc, backoff, [(sent, sent_decided), *in_flight])
                 in_flight.clear()
@@ -245,7 +245,7 @@ class Engine:
                 log.info("the worker answers again; continuing")
                 self._set_health(worker_up=True)
             with self.cond:
-                outputs = self.scheduler.update(sent, sampled.sampled, scored=sampled.scored)
+                outputs = self.scheduler.update(sent, answer.sampled, scored=answer.scored)
             self._observe(sent, outputs)
             self._write_and_publish(sent, outputs, sent_decided)
 

@@ -1,0 +1,232 @@
+"""One OpenAI response: its choices (one client stream each) as SSE events or as one JSON body, in each
+endpoint's shape (text, deltas, logprobs, usage)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+
+from conveyor.errors import ConveyorError
+from tokenizer_svc.frontend import ClientDelta, ClientStream
+from tokenizer_svc.openai_bodies import HttpError, error_body, from_conveyor
+from tokenizer_svc.streaming import RequestTimer, follow
+
+if TYPE_CHECKING:
+    from tokenizer_svc.openai_api import OpenAIApi
+
+log = logging.getLogger("conveyor.frontend")
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class Reply:
+    """One response: its choices (one stream each, index order), as SSE events or as one JSON body."""
+
+    def __init__(self, api: OpenAIApi, streams: list[ClientStream], chat: bool, include_usage: bool,
+                 echoed: list[str], logprobs: bool, n: int = 1, vllm_prompt_logprobs: bool = False):
+        self.api = api
+        self.streams = streams
+        self.logprobs = logprobs  # the request asked for them
+        self.vllm_prompt_logprobs = vllm_prompt_logprobs  # vLLM's prompt_logprobs field: returned in its shape
+        self.echoed = echoed  # per choice: the prompt its text starts with (``echo``), or ""
+        self.chat = chat
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.n = n
+        self.prompt_tokens = sum(s.prompt_tokens for s in streams[::n])  # each prompt once, whatever n (OpenAI)
+
+    def _deltas(self, index: int) -> AsyncIterator[ClientDelta]:
+        api = self.api
+        return follow(self.streams[index], api.io, RequestTimer(api.metrics), api.metrics, api.request_timeout)
+
+    def _choice(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+        if self.chat:
+            return {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _role(self, index: int) -> dict:
+        """A chat stream's first chunk of a choice: the role alone, with empty content (OpenAI, vLLM, llama.cpp)."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def _text(self, token_id: int) -> str:
+        return self.api.frontend.tokenizer.decode([token_id])
+
+    def _echoed_logprobs(self, index: int, scored: list) -> dict:
+        """Completions' logprobs of an echoed prompt: every prompt token, the first with none (OpenAI's shape)."""
+        text = self._text
+        tokens = [text(t) for t in self.streams[index].prompt_ids]
+        return {"tokens": tokens, "token_logprobs": [None] + [lp for _, lp, _, _ in scored],
+                "top_logprobs": [None] + [{text(a): v for a, v in top} for _, _, _, top in scored],
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}
+
+    def _vllm_prompt_logprobs(self, index: int, scored: list) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then {token id: {logprob, rank,
+        decoded_token}} over the token itself and its alternatives."""
+        out: list = [None]
+        for token, logprob, rank, top in scored:
+            entry = {str(a): {"logprob": v, "rank": r, "decoded_token": self._text(a)} for r, (a, v) in
+                     enumerate(top, 1)}
+            entry[str(token)] = {"logprob": logprob, "rank": rank, "decoded_token": self._text(token)}
+            out.append(entry)
+        return out[: len(self.streams[index].prompt_ids)]
+
+    def _logprobs(self, delta: ClientDelta, offset: int, index: int = 0) -> dict | None:
+        """A delta's tokens' log-probabilities in the endpoint's shape (None when not asked). ``offset``: where
+        the delta's text starts in the choice's text (completions' ``text_offset``). With ``echo``, the first
+        delta's come after the prompt's."""
+        if not self.logprobs:
+            return None
+        out = self._token_logprobs(delta, offset)
+        if not self.chat and self.echoed[index] and delta.prompt_logprobs is not None:
+            echoed = self._echoed_logprobs(index, delta.prompt_logprobs)
+            out = {key: echoed[key] + value for key, value in out.items()}
+        return out
+
+    def _token_logprobs(self, delta: ClientDelta, offset: int) -> dict:
+        text = self._text
+
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict:
+                raw = self.api.frontend.tokenizer.token_bytes(token_id)  # a character's part: its own bytes
+                return {"token": text(token_id), "logprob": logprob, "bytes": list(raw)}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [entry(a.token_id, a.logprob) for a in lp.top]}
+                                for lp in delta.logprobs]}
+        tokens = [text(lp.token_id) for lp in delta.logprobs]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in delta.logprobs],
+                "top_logprobs": [{text(a.token_id): a.logprob for a in lp.top} for lp in delta.logprobs],
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
+
+    async def _usage(self, completion: int) -> dict:
+        """OpenAI's usage, with the prompt tokens the prefix cache held (each prompt once, whatever n)."""
+        cached = 0
+        for stream in self.streams[:: self.n]:
+            cached += await self.api.io.run(self.api.frontend.cached_tokens, stream)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        body = {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
+                "model": self.api.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    async def events(self, owner: str) -> AsyncIterator[bytes]:
+        """SSE: the choices' deltas as they come (interleaved), each choice's role first (chat), exactly one
+        finish_reason per choice, the usage chunk when asked, then ``[DONE]``. A client that disconnects
+        cancels this generator, which closes every stream (their requests are aborted)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        completion = [0] * len(self.streams)
+
+        async def pump(index: int) -> None:
+            try:
+                async for delta in self._deltas(index):
+                    await queue.put((index, delta))
+                await queue.put((index, None))
+            except ConveyorError as exc:
+                await queue.put((index, exc))
+            except Exception as exc:  # noqa: BLE001 - any reader error (a Redis error, a bug) ends this choice, said
+                log.exception("choice %d of %s failed", index, self.id)
+                await queue.put((index, ConveyorError(f"internal error: {type(exc).__name__}: {exc}")))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
+        try:
+            if self.chat:
+                for index in range(len(self.streams)):
+                    yield self._chunk([self._role(index)])
+            first = [True] * len(self.streams)
+            written = [0] * len(self.streams)  # characters of each choice's text sent
+            done = 0
+            while done < len(self.streams):
+                index, item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, ConveyorError):
+                    err = from_conveyor(item)
+                    yield b"data: " + json.dumps(error_body(err.status, str(err), None, err.code)).encode() + b"\n\n"
+                    done += 1
+                    continue
+                completion[index] += len(item.token_ids)
+                finish = FINISH.get(item.finish_reason) if item.finish_reason else None
+                if item.text or finish or first[index] or item.token_ids:
+                    text = self.echoed[index] + item.text if first[index] else item.text
+                    logprobs = self._logprobs(item, written[index] + len(text) - len(item.text), index)
+                    choice = self._choice(index, text, finish, logprobs)
+                    if self.vllm_prompt_logprobs and item.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self._vllm_prompt_logprobs(index, item.prompt_logprobs)
+                    yield self._chunk([choice])
+                    written[index] += len(text)
+                    first[index] = False
+            if self.include_usage:
+                yield self._chunk([], await self._usage(sum(completion)))
+            yield b"data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.api.auth.close_stream(owner, len(self.streams))
+
+    async def whole(self, request: Request) -> dict:
+        """The full response; a client that disconnects meanwhile aborts every choice."""
+        texts, finishes, completion = list(self.echoed), [None] * len(self.streams), 0
+        logprobs: list[dict | None] = [None] * len(self.streams)
+        scored: list[list | None] = [None] * len(self.streams)
+
+        async def collect(index: int) -> int:
+            count = 0
+            async for delta in self._deltas(index):
+                if delta.prompt_logprobs is not None:
+                    scored[index] = self._vllm_prompt_logprobs(index, delta.prompt_logprobs)
+                more = self._logprobs(delta, len(texts[index]), index)
+                if more is not None:
+                    logprobs[index] = more if logprobs[index] is None else {
+                        key: logprobs[index][key] + value for key, value in more.items()}
+                texts[index] += delta.text
+                count += len(delta.token_ids)
+                if delta.finish_reason:
+                    finishes[index] = FINISH.get(delta.finish_reason)
+            return count
+
+        tasks = [asyncio.create_task(collect(i)) for i in range(len(self.streams))]
+        gathered = asyncio.gather(*tasks)
+        # once done, its outcome counts as seen: a client that left cancels it, and an unseen CancelledError would
+        # log "exception was never retrieved" with a traceback
+        gathered.add_done_callback(lambda done: done.cancelled() or done.exception())
+        watch = asyncio.create_task(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait([watch, gathered], return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:
+                raise HttpError(499, "the client closed the connection")
+            completion = sum(gathered.result())
+        finally:
+            watch.cancel()
+            for task in tasks:
+                task.cancel()
+            gathered.cancel()
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
+        else:
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                       for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
+        if self.vllm_prompt_logprobs:
+            for choice, entries in zip(choices, scored):
+                choice["prompt_logprobs"] = entries
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.api.model,
+                "choices": choices, "usage": await self._usage(completion)}
+
+
+async def _disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
