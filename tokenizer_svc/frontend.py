@@ -66,8 +66,8 @@ class ClientStream:
         self.last_activity = time.monotonic()
         self.last_check = 0.0
         self.suspect: tuple[int, bool] | None = None  # Redis's (tokens, finished) at the last look, when ahead
-        self.prompt_ids: list[int] = []
         self.scores_prompt = False  # it asked for prompt_logprobs: the first delta brings them (from Redis)
+        self.prompt_ids: list[int] = []  # with scores_prompt: the prompt (echoed with its scores)
         self._queue: queue.Queue[ClientDelta] = queue.Queue()
         self.wake: Callable[[], None] = lambda: None  # called after each delta queued (from any thread)
 
@@ -158,7 +158,8 @@ class Frontend:
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
                                client_id=inp.request_id, engine=engine)
         stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id)
-        stream.prompt_ids, stream.scores_prompt = prompt_ids, params.prompt_logprobs is not None
+        stream.scores_prompt = params.prompt_logprobs is not None
+        stream.prompt_ids = prompt_ids if stream.scores_prompt else []  # kept only to echo them with their scores
         with self.lock:
             self.streams[request_id] = stream
         try:
@@ -234,7 +235,8 @@ class Frontend:
                                   f"far, got {token_index}")
         request_id = record.request_id
         stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset, client_id)
-        stream.prompt_ids, stream.scores_prompt = record.prompt_ids, record.params.prompt_logprobs is not None
+        stream.scores_prompt = record.params.prompt_logprobs is not None
+        stream.prompt_ids = record.prompt_ids if stream.scores_prompt else []
         with self.lock:
             self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed
         if not _with_redis(lambda: self.store.set_frontend(request_id, self.address), "claiming the request"):
