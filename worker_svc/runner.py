@@ -267,13 +267,14 @@ class ModelRunner:
         token at p + 1, so a chunk's first token is scored by the previous chunk's last row (kept in
         ``pending_hidden``), and position 0 is never scored."""
         end = c.start_pos + len(c.token_ids)
-        first = c.start_pos if c.start_pos >= 1 and s.pending_hidden is not None else c.start_pos + 1
-        last = min(end, s.num_prompt_tokens)  # positions [first, last) are scored
-        row0 = last_row - (len(c.token_ids) - 1)  # the row of position start_pos
+        carried = c.start_pos >= 1 and s.pending_hidden is not None  # the row predicting this chunk's first token
+        first = c.start_pos if carried else c.start_pos + 1
+        last = min(end, s.num_prompt_tokens)  # positions [first, last) are scored, by rows [first - 1, last - 1)
+        at = last_row - (end - 1)  # hidden[at + p] is the row of position p (p in this chunk)
         result = None
         if first < last:
-            rows = hidden[row0 + first - 1 - c.start_pos + (first == c.start_pos) : row0 + last - 1 - c.start_pos]
-            if first == c.start_pos:
+            rows = hidden[at + c.start_pos : at + last - 1]  # positions start_pos .. last - 2
+            if carried:
                 rows = torch.cat([s.pending_hidden.unsqueeze(0), rows])
             result = (first, score(self.model.logits, rows, s.tokens[first:last], s.params.prompt_logprobs))
         s.pending_hidden = hidden[last_row].clone() if end < s.num_prompt_tokens else None
