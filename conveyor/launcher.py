@@ -62,6 +62,8 @@ class UpConfig:
     numerics: str = setting("fast", "worker numerics on the CPU kernels: exact (the dequantized fp32 product) or "
                                     "fast (int8 activations for decode batches, as llama.cpp)",
                             choices=("exact", "fast"))
+    quantize: str = setting("none", "worker: quantize dense linear weights (a Hugging Face folder's) at load to "
+                                    "q8_0 or q4_0 blocks (none: as stored)", choices=("none", "q8_0", "q4_0"))
     kv_cache_bytes: int | None = setting(None, "worker KV cache budget, e.g. 512M", parse=parse_size)
     block_size: int = setting(16, "tokens per KV block")
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)")
@@ -317,7 +319,7 @@ def start(cfg: UpConfig) -> Stack:
             port = {n: (getattr(cfg, f"{n}_port") if i == 0 else 0) or free_port() for n in ("worker", "scheduler")}
             mport = {n: (getattr(cfg, f"{n}_metrics_port") if i == 0 else 0) or free_port() for n in ("worker", "scheduler")}
             worker_flags = ["--model", cfg.model, "--port", str(port["worker"]), "--device", cfg.device,
-                            "--numerics", cfg.numerics, "--block-size", str(cfg.block_size), *common,
+                            "--numerics", cfg.numerics, "--quantize", cfg.quantize, "--block-size", str(cfg.block_size), *common,
                             "--metrics-port", str(mport["worker"])]
             if cfg.kv_cache_bytes is not None:
                 worker_flags += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]

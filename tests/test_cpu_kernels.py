@@ -10,14 +10,30 @@ import torch
 from worker_svc import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
-TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F32, Q.F16, Q.BF16]  # GGUF blocks, and dense rows as a checkpoint stores them
+DTYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
 def _quantized(qtype, n: int, k: int, seed: int = 0):
+    """(the kernels' layout, the exact fp32 values it holds) of a random (n, k) weight."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    if qtype in DTYPES:
+        stored = torch.from_numpy(w).to(DTYPES[qtype])
+        rows, type_id = cpu_kernels.dense_rows(stored)
+        assert type_id == int(qtype)
+        return cpu_kernels.kernel_layout(rows, type_id, k), stored.float()
     blocks = gguf.quants.quantize(w, qtype)
     dense = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(n, k))
     return cpu_kernels.kernel_layout(torch.from_numpy(blocks.copy()).reshape(n, -1), int(qtype), k), dense
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda t: t.name)
+def test_quantize_writes_the_blocks_llama_cpps_quantizer_writes(qtype):
+    w = torch.randn(67, 320, generator=torch.Generator().manual_seed(5)) * 0.02
+    w[3, 40:72] = 0.0  # an all-zero block: scale 0, no division by it
+    expected = gguf.quants.quantize(w.numpy(), qtype).reshape(67, -1)
+    assert np.array_equal(cpu_kernels.quantize(w, int(qtype)).numpy(), expected)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

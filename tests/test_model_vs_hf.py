@@ -99,8 +99,8 @@ print(peak[0] - base, sum(p.numel() for p in loaded.model.parameters()))
 
 def test_a_hf_folder_streams_onto_its_device_with_no_host_copy_of_the_model(tmp_path):
     """Loaded onto the ``meta`` device (which keeps no data, as a GPU keeps it off the host), a ~120 MB bf16
-    checkpoint never has more than a few tensors in host memory at once; onto the CPU in fp32, the measure
-    sees all of it (twice the file)."""
+    checkpoint never has more than a few tensors in host memory at once; onto the CPU, the measure sees all
+    of it (the CPU kernels keep the bf16 weights as stored)."""
     import os
     import subprocess
     import sys
@@ -123,10 +123,11 @@ def test_a_hf_folder_streams_onto_its_device_with_no_host_copy_of_the_model(tmp_
                               text=True, cwd=ROOT, timeout=300, env=env)
         assert done.returncode == 0, done.stderr
         peak, params = map(int, done.stdout.split())
-        assert params * 2 == size
+        if device == "meta":  # every weight a dense parameter (on the CPU they are the kernels' packed buffers)
+            assert params * 2 == size
         grew[device] = peak
     assert grew["meta"] < 0.2 * size, f"host memory grew by {grew['meta'] / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB model"
-    assert grew["cpu"] > 0.9 * 2 * size  # the measure sees a model that does land in host memory
+    assert grew["cpu"] > 0.9 * size  # the measure sees a model that does land in host memory (bf16 kept as stored)
 
 
 def test_hf_folder_with_unknown_architecture_is_a_clear_error(tmp_path):

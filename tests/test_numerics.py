@@ -7,6 +7,8 @@ fast kernel serves), against transformers: top-1 agreement and the log-probabili
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -98,3 +100,71 @@ def test_fast_numerics_agree_with_transformers_teacher_forced(fast_model, hf_mod
           f"|log p error| mean {errors.mean():.5f}, max {errors.max():.5f}")
     assert total >= 2000 and agree / total >= 0.98
     assert 0 < errors.max() < 0.05 and errors.mean() < 0.005  # not the exact path, and close to it
+
+
+# ---------------------------------------------------------------- a Hugging Face folder: as stored, or --quantize
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory, hf_model, hf_tokenizer):
+    """The default model as the Hugging Face folder a user brings: bf16 safetensors written by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(hf_model.config)
+    config.__dict__.pop("quantization_config", None)  # read from a GGUF: a plain model of the same weights
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    plain.load_state_dict(hf_model.state_dict())
+    folder = tmp_path_factory.mktemp("bf16-folder")
+    plain.save_pretrained(folder)
+    hf_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(bf16_folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(bf16_folder, dtype=torch.float32).eval()  # bf16 widened exactly
+
+
+def _formats(loaded) -> dict[str, int]:
+    return {name: m.qtype for name, m in loaded.model.named_modules() if hasattr(m, "qtype")}
+
+
+def _prefill_agreement(loaded, reference, texts: list[list[int]]) -> float:
+    """Top-1 agreement with ``reference`` at every position of each text, scored as one prefill."""
+    agree = total = 0
+    for ids in texts:
+        runner = make_runner(loaded, num_blocks=len(ids) // 16 + 2)
+        ours = runner.score(ids, list(range(len(ids) // 16 + 1, 0, -1)))
+        agree += int((ours.argmax(-1) == hf_logits(reference, ids).argmax(-1)).sum())
+        total += len(ids)
+    return agree / total
+
+
+def test_a_bf16_folder_runs_on_the_kernels_as_stored_and_matches_transformers(bf16_folder, bf16_reference):
+    loaded = load_model(bf16_folder, numerics="fast")  # fast changes nothing for dense rows: no integer dots
+    formats = _formats(loaded)
+    assert loaded.packed and set(formats.values()) == {cpu_kernels.DENSE[torch.bfloat16]}
+    assert "layers.0.mlp.down_proj" in formats and "lm_head" in formats  # every linear layer, the tied head too
+    stack = loaded.model._build_stack(make_runner(loaded, num_blocks=4).cache.layers())
+    assert stack is not None  # the whole decoder in one native call
+    ids = loaded.tokenizer.encode((ROOT / TEXTS[0]).read_text())[:300]
+    expected = hf_logits(bf16_reference, ids)
+    runner = make_runner(loaded, num_blocks=len(ids) // 16 + 2)
+    torch.testing.assert_close(runner.score(ids, list(range(1, len(ids) // 16 + 2))), expected, atol=5e-4, rtol=0)  # seen: 1.1e-4
+
+
+def test_quantize_at_load_takes_the_integer_path_at_the_accuracy_the_readme_gives(bf16_folder, bf16_reference):
+    q8 = load_model(bf16_folder, quantize="q8_0", numerics="fast")
+    q4 = load_model(bf16_folder, quantize="q4_0")
+    assert set(_formats(q8).values()) == {8}
+    assert _formats(q4)["layers.3.self_attn.qkv_proj"] == 2 and _formats(q4)["embed_tokens"] == 8  # head kept q8_0
+    assert all(m.passes == 2 for m in q8.model.modules() if isinstance(m, PackedLinear))  # decode: integer dots
+    tok = q8.tokenizer
+    texts = [tok.encode((ROOT / name).read_text())[:POSITIONS] for name in TEXTS[:2]]
+    q8_agree, q4_agree = _prefill_agreement(q8, bf16_reference, texts), _prefill_agreement(q4, bf16_reference, texts)
+    print(f"--quantize, top-1 agreement with transformers over {sum(map(len, texts))} positions: "
+          f"q8_0 {q8_agree:.4f}, q4_0 {q4_agree:.4f}")
+    assert 0.95 <= q8_agree < 1.0  # README: 97 % (q8_0), 70 % (q4_0), over 2,048 positions
+    assert 0.6 <= q4_agree < q8_agree

@@ -38,6 +38,11 @@ class WorkerConfig:
         "within ~2e-3 of exact)",
         choices=("exact", "fast"),
     )
+    quantize: str = setting(
+        "none", "with the CPU kernels: quantize the model's dense linear weights at load (a Hugging Face folder's, "
+        "or a GGUF's F16/BF16/F32 tensors) to GGUF q8_0 or q4_0 blocks, as llama.cpp's quantizer does, so they take "
+        "the integer-dot path (q4_0 keeps the embedding and output layer at q8_0); none: as stored (bf16 stays "
+        "bf16, multiplied in fp32)", choices=("none", "q8_0", "q4_0"))
     attention: str = setting(
         "auto", "attention off the CPU kernels: flex = paged attention reading the KV cache in place "
         "(flex_attention, fused by torch.compile on a GPU); sdpa = each context gathered for "

@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from conveyor.cache import cache_dir_for, write_atomic
 from conveyor.gguf_file import GGUFFile
-from conveyor.model_files import ModelFileError, ModelSource, resolve_model
+from conveyor.model_files import ModelFileError, resolve_model
 from conveyor.tokenizer import ModelTokenizer, load_tokenizer
 from worker_svc import cpu_kernels
+from worker_svc.cpu_kernels import QUANTIZE, QUANTIZED
 from worker_svc.model import LlamaModel, ModelConfig
 from worker_svc.packed import PackedEmbedding, PackedLinear
 
@@ -43,7 +44,12 @@ class LoadedModel:
     tokenizer: ModelTokenizer
     name: str
     max_model_len: int
-    packed: bool  # linear layers run on the CPU kernels from quantized blocks
+    packed: bool  # linear layers run on the CPU kernels from packed weights (GGUF blocks or dense rows)
+
+    def weight_formats(self) -> str:
+        """The formats the packed layers keep their weights in, e.g. "Q4_1, Q8_0" or "BF16"."""
+        types = {m.qtype for m in self.model.modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
+        return ", ".join(sorted(cpu_kernels.TYPE_NAMES[t] for t in types))
 
 
 def load_model(
@@ -53,12 +59,18 @@ def load_model(
     max_model_len: int | None = None,
     cpu_kernels: str = "auto",
     numerics: str = "exact",
+    quantize: str = "none",
 ) -> LoadedModel:
     """Load ``path`` (``"default"``, a ``.gguf`` file or a HF folder) onto ``device`` in ``dtype``.
 
-    ``cpu_kernels``: "auto" keeps a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized and multiplies
-    with the CPU kernels when running fp32 on a CPU that has them; "on" insists (error if it
-    cannot); "off" always dequantizes to dense weights (the path CUDA takes).
+    ``cpu_kernels``: "auto" runs every linear layer on the CPU kernels from packed weights when running
+    fp32 on a CPU that has them: a GGUF model's Q4_0/Q4_1/Q8_0 blocks as they are, any other weight as
+    dense rows in its stored dtype (a Hugging Face folder's bf16 stays bf16: half the memory traffic of
+    fp32, the same products); "on" insists (error if it cannot); "off" always dequantizes to dense
+    weights (the path CUDA takes).
+    ``quantize``: "q8_0" or "q4_0" quantizes the dense linear weights at load to those GGUF blocks
+    (as llama.cpp's quantizer does; q4_0 keeps the embedding and output layer at q8_0), so a Hugging
+    Face model takes the integer-dot path; "none" keeps them as stored. Needs the CPU kernels.
     ``numerics``: "exact" computes the dequantized fp32 product (logits within 1e-4 of
     transformers); "fast" lets quantized layers multiply decode batches (``cpu_kernels.fast_max_rows()``
     rows) with integer dots, the activations quantized in two int8 passes per block of 32
@@ -66,13 +78,17 @@ def load_model(
     """
     if numerics not in NUMERICS:
         raise ValueError(f"--numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    if quantize != "none" and quantize not in QUANTIZE:
+        raise ValueError(f"--quantize must be none or one of {', '.join(QUANTIZE)}, got {quantize!r}")
     source = resolve_model(path)
     device = torch.device(device)
-    packed = _use_packed(cpu_kernels, source, device, dtype)
+    packed = _use_packed("on" if quantize != "none" and cpu_kernels == "auto" else cpu_kernels, device, dtype)
     if source.kind == "gguf":
         config, state = gguf_weights(source.path, packed)
     else:  # straight to the device in the run dtype (fp32 norms and all: as the GGUF path, then model.to)
-        config, state = hf_weights(source.path, device, dtype)
+        config, state = hf_weights(source.path, device, None if packed else dtype)  # packed: as stored
+    if packed:
+        _pack_dense(state, config, quantize)
     limit = config.max_position_embeddings if max_model_len is None else max_model_len
     if limit > config.max_position_embeddings:
         raise ModelFileError(
@@ -93,7 +109,7 @@ def load_model(
     model.eval().requires_grad_(False)
     model.use_cpu_kernels(_use_cpu_kernels(cpu_kernels, device, dtype))
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear) and module.qtype in QUANTIZED:
             module.passes = NUMERICS[numerics]
     return LoadedModel(model, config, load_tokenizer(source), source.name, limit, packed)
 
@@ -102,23 +118,46 @@ def _use_cpu_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> b
     return choice != "off" and device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()[0]
 
 
-def _use_packed(choice: str, source: ModelSource, device: torch.device, dtype: torch.dtype) -> bool:
+def _use_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
     if choice not in ("auto", "on", "off"):
         raise ValueError(f"--cpu-kernels must be auto, on or off, got {choice!r}")
     if choice == "off":
         return False
     ok, reason = cpu_kernels.available()
-    if source.kind != "gguf":
-        reason = "the model is not a GGUF file"
-    elif device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype != torch.float32:
         reason = "they run fp32 on the CPU only"
     else:
         reason = reason if not ok else ""
     if reason and choice == "on":
-        raise ModelFileError(f"--cpu-kernels on: cannot use the CPU kernels: {reason}")
+        raise ModelFileError(f"--cpu-kernels on (or --quantize): cannot use the CPU kernels: {reason}")
     if reason and device.type == "cpu":
         log.info("CPU kernels not used (%s): dense fp32 weights", reason)
     return not reason
+
+
+# the linear layers (and the embedding) in our names; their weights are what packing and --quantize change
+_PACKABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_HEAD = ("embed_tokens", "lm_head")
+
+
+def _pack_dense(state: dict[str, torch.Tensor], config: ModelConfig, quantize: str) -> None:
+    """Every dense linear weight in ``state`` (``<module>.weight``) -> ``<module>.qweight`` + ``.qtype``: GGUF
+    blocks of the ``quantize`` type, else its rows as stored (fp32 for a GGUF's dequantized tensors). A
+    weight whose row length is not a multiple of 32 stays dense (and the model then runs module by module)."""
+    names = [f"layers.{i}.{m}" for i in range(config.num_layers) for m in _PACKABLE] + list(_HEAD)
+    for name in names:
+        weight = state.get(f"{name}.weight")
+        if weight is None or weight.shape[-1] % cpu_kernels.QK:
+            continue
+        del state[f"{name}.weight"]
+        if quantize != "none":
+            qtype = cpu_kernels.QUANTIZE["q8_0" if name in _HEAD else quantize]
+            state[f"{name}.qweight"] = cpu_kernels.quantize(weight, qtype)
+        else:
+            if weight.dtype not in cpu_kernels.DENSE:
+                weight = weight.float()
+            state[f"{name}.qweight"], qtype = cpu_kernels.dense_rows(weight)
+        state[f"{name}.qtype"] = torch.tensor(qtype)
 
 
 def _install_packed(model: LlamaModel, state: dict[str, torch.Tensor], config: ModelConfig) -> None:
@@ -331,7 +370,7 @@ def _gguf_state_dict(g: GGUFFile, config: ModelConfig, packed: bool) -> dict[str
 
     def add(target: str, sources: list[str]) -> None:
         types = {int(tensor(f"{s}.weight").tensor_type) for s in sources}
-        quantized = packed and len(types) == 1 and types <= set(cpu_kernels.BLOCK_BYTES)
+        quantized = packed and len(types) == 1 and types <= set(cpu_kernels.QUANTIZED)
         w = torch.cat([rows(f"{s}.weight", quantized) for s in sources])
         state[f"{target}.qweight" if quantized else f"{target}.weight"] = w
         if quantized:

@@ -1,6 +1,7 @@
 """CPU kernels for x86 (AVX2/FMA/F16C), built from the C files beside this one on first use:
 
-- ``qgemm``: matmul with weights kept in GGUF Q4_0 / Q4_1 / Q8_0 blocks (``qgemm.c``), and its fast
+- ``qgemm``: matmul with weights kept in GGUF Q4_0 / Q4_1 / Q8_0 blocks or dense F32 / F16 / BF16 rows
+  (``qgemm.c``), and its fast
   variant for few rows, which quantizes x to int8 blocks and multiplies with integer dot products
   (``qdot.c``; the worker's ``--numerics fast``);
 - ``attention``: RoPE, the KV write and attention read in place from the paged cache (``attention.c``);
@@ -37,7 +38,11 @@ HEADERS = [HERE / "simd.h", HERE / "quant.h"]
 # -ffp-contract=off: a * b + c in plain C stays two roundings, as in PyTorch (intrinsics are explicit)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
 # ggml type ids -> bytes per block of 32 weights
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+QUANTIZED = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+DENSE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # rows as stored; each value widens exactly to fp32
+BLOCK_BYTES = QUANTIZED | {0: 128, 1: 64, 30: 64}
+TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
+QUANTIZE = {"q8_0": 8, "q4_0": 2}  # --quantize: the block types dense weights can be quantized to at load
 QK = 32
 
 
@@ -150,10 +155,38 @@ def fast_max_rows() -> int:
     return _lib().qdot_max_rows()
 
 
+def dense_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A dense (N, K) weight as the kernels read it: its bytes, (N, K * itemsize) uint8, and the type id."""
+    return weight.contiguous().view(torch.uint8), DENSE[weight.dtype]
+
+
+def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """A dense (N, K) weight quantized to GGUF blocks, (N, K/32 * block bytes) uint8, as llama.cpp's
+    quantizer writes them: Q8_0 d = max|x| / 127, q = round(x / d); Q4_0 d = -m / 8 for m the value of the
+    largest magnitude, q = min(15, floor(x / d + 8.5)), weights j and j + 16 sharing byte j."""
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"quantize: K={k} is not a multiple of {QK}")
+    x = weight.detach().float().reshape(n, k // QK, QK)
+    if qtype == 8:
+        d = x.abs().amax(-1, keepdim=True) / 127
+        q = torch.round(x * torch.where(d > 0, 1 / d, 0)).to(torch.int8).view(torch.uint8)
+    elif qtype == 2:
+        peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+        d = peak / -8
+        q = torch.floor(x * torch.where(d != 0, 1 / d, 0) + 8.5).clamp(0, 15).to(torch.uint8)
+        q = q[..., :16] | (q[..., 16:] << 4)
+    else:
+        raise ValueError(f"quantize: type {qtype} is not one of {sorted(QUANTIZE.values())}")
+    scale = d.to(torch.float16).view(torch.uint8)  # (n, nb, 2)
+    return torch.cat([scale, q], dim=-1).reshape(n, -1).contiguous()
+
+
 def kernel_layout(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
     """GGUF blocks, (N, K/32 * block bytes) uint8, rearranged within each row the way the kernels read
     them (see quant.h: a row's scales, mins and quants each together); a new tensor of the same shape.
-    Every ``qweight`` given to the functions below is in this layout."""
+    Dense rows (``dense_rows``) are copied as they are. Every ``qweight`` given to the functions below is
+    in this layout."""
     if qtype not in BLOCK_BYTES or in_features % QK:
         raise ValueError(f"qrepack: unsupported type {qtype} or K={in_features}")
     row_bytes = in_features // QK * BLOCK_BYTES[qtype]

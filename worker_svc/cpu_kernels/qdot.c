@@ -179,7 +179,8 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
 // Entry point: M <= 8 rows, x quantized in 1 or 2 passes (2: ~15-bit activations for twice the integer
 // work). Returns 0, or -1 for an unknown type / K not a multiple of 32 / too many rows or passes.
 int qgemm_q8dot(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes) {
-    if (block_bytes(type) == 0 || K % QK != 0 || K > MAX_K || M < 1 || M > MAX_ROWS || passes < 1 || passes > 2)
+    if (block_bytes(type) == 0 || is_dense(type) || K % QK != 0 || K > MAX_K || M < 1 || M > MAX_ROWS || passes < 1 ||
+        passes > 2)
         return -1;
     const int64_t nb = K / QK;
     int8_t xq[passes * M * K] __attribute__((aligned(32)));
@@ -213,9 +214,9 @@ enum { FAST_MAX_ROWS = 2 };  // more rows: the exact kernel's tiles amortize exp
 
 int qdot_max_rows(void) { return FAST_MAX_ROWS; }
 
-// The product for any number of rows: integer dots (``passes`` > 0) for decode batches of at most
+// The product for any number of rows: integer dots (``passes`` > 0, quantized weights) for decode batches of at most
 // FAST_MAX_ROWS rows, where they are ~1.6x faster than the exact kernel; the exact kernel otherwise.
 int qgemm_auto(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes) {
-    if (passes > 0 && M <= FAST_MAX_ROWS) return qgemm_q8dot(type, x, M, K, w, N, y, passes);
+    if (passes > 0 && M <= FAST_MAX_ROWS && !is_dense(type)) return qgemm_q8dot(type, x, M, K, w, N, y, passes);
     return qgemm(type, x, M, K, w, N, y);
 }

@@ -1,7 +1,7 @@
 // Weight-only quantized matrix multiply for the CPU: y[M, N] = x[M, K] @ W[N, K]^T.
 //
 // W stays in its GGUF block format (Q4_0, Q4_1 or Q8_0: 32 weights per block, one or two fp16
-// scales each; each row rearranged as quant.h says), x and y are fp32. Each weight is expanded to exactly the fp32 value the
+// scales each; each row rearranged as quant.h says; or dense F32 / F16 / BF16 rows), x and y are fp32. Each weight is expanded to exactly the fp32 value the
 // reference dequantizer (gguf-py) produces, so this computes the same product as the dense fp32
 // matmul, only summed in another order. Reading 0.56-1.06 bytes per weight instead of 4 is
 // what makes decoding fast on a CPU, where a matrix-vector product is memory bound.
@@ -30,6 +30,18 @@ enum { NR = 4, MR = 3 };
 
 // Expand block kb of a row into 4 x 8 floats: v[0] = weights 0..7, ..., v[3] = weights 24..31.
 static inline __attribute__((always_inline)) void expand_block(int type, RowView r, int64_t kb, __m256 v[4]) {
+    if (type == TYPE_F32) {
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps((const float *)(r.q + 128 * kb) + 8 * i);
+        return;
+    }
+    if (type == TYPE_F16 || type == TYPE_BF16) {
+        for (int i = 0; i < 4; i++) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(r.q + 64 * kb + 16 * i));
+            v[i] = type == TYPE_F16 ? _mm256_cvtph_ps(h)  // bf16 is fp32's top half
+                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        return;
+    }
     const __m256 d = _mm256_set1_ps(fp16_to_fp32(r.d + 2 * kb));
     if (type == TYPE_Q8_0) {
         for (int i = 0; i < 4; i++) {
@@ -146,11 +158,12 @@ int qdequant_rows(int type, const uint8_t *w, int64_t K, const int64_t *rows, in
     return 0;
 }
 
-// GGUF blocks -> the kernel layout (quant.h), in place, for N rows of K weights. Returns -1 for an unknown
-// type or K not a multiple of 32 / too large.
+// GGUF blocks -> the kernel layout (quant.h), in place, for N rows of K weights (dense rows stay as they are).
+// Returns -1 for an unknown type or K not a multiple of 32 / too large.
 int qrepack(int type, uint8_t *w, int64_t N, int64_t K) {
     const int bb = block_bytes(type), qb = quant_bytes(type), has_min = type == TYPE_Q4_1;
     if (bb == 0 || K % QK != 0 || K > MAX_K) return -1;
+    if (is_dense(type)) return 0;
     const int64_t nb = K / QK;
     uint8_t tmp[MAX_K / QK * 34];
     for (int64_t n = 0; n < N; n++) {
