@@ -132,6 +132,7 @@ class RequestStore:
         self.redis = client
         self.prefix = prefix
         self.finished_ttl = finished_ttl
+        self.fenced_step = client.register_script(_FENCED_STEP)  # EVALSHA, loaded again after a Redis restart
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "conveyor", finished_ttl: float = 600.0) -> RequestStore:
@@ -227,6 +228,27 @@ return 1
 _SET_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) + 1 end return 0"
 # KEYS: request hashes; returns each one's engine ("" when none, or no record)
 _HOLDERS = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'engine') or '' end return out"
+# A step's fenced write in one round trip. KEYS: the records the step writes; ARGV: the owner, then each command as
+# its argument count and its arguments. Returns {indices of the records another engine holds, results}: nothing is
+# run when the first is not empty. A script runs alone, so no other client's write can fall between the check and
+# the commands (what WATCH ensured in the three-round-trip form). A command Redis refuses is its result, as an error.
+_FENCED_STEP = """
+local taken = {}
+for i, key in ipairs(KEYS) do
+  local ok, holder = pcall(redis.call, 'HGET', key, 'engine')  -- not a hash: its own commands fail below
+  if ok and holder and holder ~= '' and holder ~= ARGV[1] then taken[#taken + 1] = i end
+end
+if #taken > 0 then return {taken, {}} end
+local results, at = {}, 2
+while at <= #ARGV do
+  local n = tonumber(ARGV[at])
+  local ok, res = pcall(redis.call, unpack(ARGV, at + 1, at + n))
+  if ok or type(res) == 'table' then results[#results + 1] = res else results[#results + 1] = {err = tostring(res)} end
+  at = at + n + 1
+end
+return {taken, results}
+"""
+_SCRIPT_MAX_ARGS = 4000  # a command with more (a long output restored whole) takes the WATCH form: Lua's unpack limit
 _DELETE_IF = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
@@ -316,6 +338,15 @@ class StepWriter:
     def _fenced(self, owner: str) -> list:
         ids = list(dict.fromkeys(self._op_request))
         keys = [self.store.key(rid) for rid in ids]
+        commands = [args for args, _options in self.pipe.command_stack]
+        if all(len(args) <= _SCRIPT_MAX_ARGS for args in commands):
+            argv = [owner]
+            for args in commands:
+                argv += [len(args), *args]
+            taken, results = self.store.fenced_step(keys=keys, args=argv)
+            if taken:
+                raise Fenced({ids[i - 1] for i in taken})
+            return results
         with self.store.redis.pipeline(transaction=True) as tx:
             tx.watch(*keys)
             holders = tx.eval(_HOLDERS, len(keys), *keys)
@@ -353,8 +384,9 @@ class StepWriter:
 
         ``owner``: the engine writing (several engines share this Redis). The writes are then fenced: they
         land only if every record they touch still names ``owner`` (or no engine) when they land, checked in
-        the same transaction (WATCH, then the records' ``engine``, then MULTI/EXEC). A record another engine
-        took raises ``Fenced`` (nothing was written); one changed meanwhile raises ``redis.WatchError``."""
+        the same script as the writes (one round trip; for a command too long for a script, WATCH, then the
+        records' ``engine``, then MULTI/EXEC). A record another engine took raises ``Fenced`` (nothing was
+        written); in the WATCH form, one changed meanwhile raises ``redis.WatchError``."""
         if not self.count:
             return set()
         results = self._fenced(owner) if owner else self.pipe.execute(raise_on_error=False)

@@ -12,7 +12,7 @@ import grpc
 
 from conveyor import grpc_util
 from conveyor.engines import Registry, Schedulers
-from conveyor.errors import ConveyorError, InvalidArgument, Unavailable
+from conveyor.errors import ConveyorError, InvalidArgument
 from conveyor.metrics import Metrics
 from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.tokenizer import load_tokenizer
@@ -135,16 +135,22 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         self.channels = Channels()
         self.orphans = Orphans(orphan_timeout)
 
-    def Push(self, request, context):
+    def Push(self, request_iterator, context):
+        for batch in request_iterator:
+            yield self._push(batch)
+
+    def _push(self, batch: detokenizer_pb2.TokenBatch) -> detokenizer_pb2.PushResponse:
         start = time.perf_counter()
-        by_frontend, failed = self.core.push([entry_from_pb(e) for e in request.requests])
+        by_frontend, failed = self.core.push([entry_from_pb(e) for e in batch.requests])
         for frontend, deltas in by_frontend.items():
             self._deliver(frontend, deltas)
         if failed:  # the scheduler sends the batch again; those requests start over from Redis
-            raise Unavailable(f"could not read {len(failed)} requests from Redis; send the batch again")
-        self.metrics.detokenizer_tokens.inc(sum(len(e.token_ids) for e in request.requests))
+            log.warning("could not read %d requests of step %d from Redis; asked for the batch again", len(failed),
+                        batch.step)
+            return detokenizer_pb2.PushResponse(step=batch.step, retry=True)
+        self.metrics.detokenizer_tokens.inc(sum(len(e.token_ids) for e in batch.requests))
         self.metrics.detokenizer_push_seconds.observe(time.perf_counter() - start)
-        return detokenizer_pb2.PushResponse()
+        return detokenizer_pb2.PushResponse(step=batch.step)
 
     def Replay(self, request, context):
         if not request.request_id:
@@ -204,7 +210,7 @@ def serve(cfg: DetokenizerConfig) -> None:
         finish(request_id, num_tokens)
 
     core = DetokenizerCore(tokenizer, store, on_stop)
-    server = grpc_util.make_server(metrics=metrics)
+    server = grpc_util.make_server(max_workers=32, metrics=metrics)  # each engine's Push stream keeps one thread
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, schedulers, metrics, cfg.orphan_timeout), server)
     port = grpc_util.bind_internal(server, cfg.host, cfg.port)

@@ -100,10 +100,9 @@ def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatc
 
 
 class StepChannel:
-    """Steps to the worker over one ``StepStream``: sent in order, answered in order.
-
-    Answers are read on a thread of their own into a queue, so ``receive`` can give up on a worker that
-    stopped answering (hung, or its host gone without a reset) after ``step_timeout`` seconds."""
+    """Steps to the worker over one ``StepStream``: sent in order, answered in order (``AnsweredStream``), so
+    ``receive`` can give up on a worker that stopped answering (hung, or its host gone without a reset) after
+    ``step_timeout`` seconds."""
 
     REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                grpc.StatusCode.RESOURCE_EXHAUSTED)  # the worker is alive and failed the step
@@ -111,30 +110,15 @@ class StepChannel:
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, step_timeout: float = 0.0):
         self.stub = stub
         self.step_timeout = step_timeout or None
-        self._open()
-
-    def _open(self) -> None:
-        self.requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
-        self.call = self.stub.StepStream(iter(self.requests.get, None))
-        self.replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, args=(self.call, self.replies), name="step-replies", daemon=True).start()
-
-    @staticmethod
-    def _read(call, replies: queue.Queue) -> None:
-        try:
-            for reply in call:
-                replies.put(reply)
-            replies.put(ConnectionError("the worker ended the step stream"))
-        except grpc.RpcError as exc:
-            replies.put(exc)
+        self.stream = grpc_util.AnsweredStream(stub.StepStream, "step")
 
     def send(self, plan: StepPlan) -> None:
-        self.requests.put(plan_to_pb(plan))
+        self.stream.send(plan_to_pb(plan))
 
     def receive(self, plan: StepPlan) -> Answer:
         try:
-            reply = self.replies.get(timeout=self.step_timeout)
-        except queue.Empty:
+            reply = self.stream.receive(self.step_timeout)
+        except TimeoutError:
             raise TimeoutError(f"the worker did not answer step {plan.step} within {self.step_timeout:g} s "
                                "(--step-timeout)") from None
         if isinstance(reply, grpc.RpcError):
@@ -152,9 +136,7 @@ class StepChannel:
         return StepFailed(f"{exc.code().name}: {exc.details()}", culprit)
 
     def reset(self) -> None:
-        self.requests.put(None)
-        self.call.cancel()
-        self._open()
+        self.stream.reset()
 
     def capacity(self) -> tuple[int, int, int]:
         info = self.stub.Info(worker_pb2.InfoRequest(), timeout=2)
@@ -165,12 +147,13 @@ class StepChannel:
 
 
 class Publisher:
-    """Sends token batches to the detokenizer in order, from its own thread, retrying while it is down.
+    """Sends token batches to the detokenizer in order, on one ``Push`` stream, from its own thread: each batch
+    waits for its answer before the next goes, and is sent again while the detokenizer is down or asks for it
+    (it could not read some of its requests from Redis). The step loop never waits for the detokenizer."""
 
-    The step loop never waits for the detokenizer."""
-
-    def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub):
+    def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub, timeout: float = 30.0):
         self.stub = stub
+        self.timeout = timeout
         self.queue: queue.Queue[detokenizer_pb2.TokenBatch] = queue.Queue()
         threading.Thread(target=self._run, name="publisher", daemon=True).start()
 
@@ -178,17 +161,26 @@ class Publisher:
         self.queue.put(outputs_to_pb(step, outputs))
 
     def _run(self) -> None:
+        stream = grpc_util.AnsweredStream(self.stub.Push, "push")
         while True:
             batch = self.queue.get()
             backoff = 0.05
-            while True:
-                try:
-                    self.stub.Push(batch, timeout=30)
-                    break
-                except grpc.RpcError as exc:
-                    log.warning("detokenizer push of step %d failed (%s); retrying", batch.step, exc.code())
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 0.5)
+            while (why := self._push(stream, batch)) is not None:
+                log.warning("detokenizer push of step %d failed (%s); retrying", batch.step, why)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+
+    def _push(self, stream: grpc_util.AnsweredStream, batch: detokenizer_pb2.TokenBatch) -> str | None:
+        """None once the detokenizer took ``batch``, else why not (the stream is then opened anew)."""
+        stream.send(batch)
+        try:
+            reply = stream.receive(self.timeout)
+        except TimeoutError as exc:
+            reply = exc
+        if isinstance(reply, detokenizer_pb2.PushResponse) and reply.step == batch.step:
+            return "it could not read some requests from Redis" if reply.retry else None
+        stream.reset()
+        return reply.code().name if isinstance(reply, grpc.RpcError) else str(reply)
 
 
 # ---------------------------------------------------------------- the service

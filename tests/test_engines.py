@@ -222,3 +222,23 @@ def test_a_write_that_lands_after_a_takeover_is_refused_by_the_fence(registry):
     engine._write_and_publish(StepPlan(1, [], []), outputs, [])
     assert registry.store.get(taken).output_ids == [] and registry.store.get(kept).output_ids == [5]
     assert published == [kept] and engine.held() == [kept]
+
+
+def test_a_fenced_write_fails_a_refused_record_alone_and_restores_a_long_output(registry):
+    """The fenced step write is one script: a command Redis refuses (this record is not a hash any more) is
+    that record's alone, reported for a rewrite, and the other record's write lands with it; a restore
+    longer than a script's arguments may hold takes the WATCH form and lands whole."""
+    good, bad = _request(registry, "a"), _request(registry, "a")
+    registry.store.redis.delete(registry.store.key(bad))
+    registry.store.redis.set(registry.store.key(bad), "not a hash")
+    writer = registry.store.writer()
+    writer.tokens(good, [5], 1, None)
+    writer.tokens(bad, [6], 1, None)
+    assert writer.execute(owner="a") == {bad}
+    record = registry.store.get(good)
+    assert record.output_ids == [5] and record.status == "running"
+    record.output_ids = list(range(5000))
+    writer = registry.store.writer()
+    writer.restore(record)
+    assert writer.execute(owner="a") == set()
+    assert registry.store.get(good).output_ids == list(range(5000))

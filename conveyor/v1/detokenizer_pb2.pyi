@@ -33,8 +33,12 @@ class TokenBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestTokens, _Mapping]]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("step", "retry")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    retry: bool
+    def __init__(self, step: _Optional[int] = ..., retry: _Optional[bool] = ...) -> None: ...
 
 class ReplayRequest(_message.Message):
     __slots__ = ("request_id", "frontend")

@@ -34,7 +34,7 @@ class DetokenizerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Push = channel.unary_unary(
+        self.Push = channel.stream_stream(
                 '/conveyor.v1.Detokenizer/Push',
                 request_serializer=conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_detokenizer__pb2.PushResponse.FromString,
@@ -49,8 +49,9 @@ class DetokenizerStub:
 class DetokenizerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Push(self, request, context):
-        """The new tokens of one engine step, in step order. Requests it has not seen are read from Redis.
+    def Push(self, request_iterator, context):
+        """The new tokens of each engine step, in step order, on one stream the scheduler keeps open: every batch is
+        answered before the next is sent. Requests it has not seen are read from Redis.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,7 +69,7 @@ class DetokenizerServicer:
 
 def add_DetokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Push': grpc.unary_unary_rpc_method_handler(
+            'Push': grpc.stream_stream_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.FromString,
                     response_serializer=conveyor_dot_v1_dot_detokenizer__pb2.PushResponse.SerializeToString,
@@ -90,7 +91,7 @@ class Detokenizer:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Push(request,
+    def Push(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -100,8 +101,8 @@ class Detokenizer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/conveyor.v1.Detokenizer/Push',
             conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.SerializeToString,
