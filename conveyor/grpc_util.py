@@ -539,7 +539,10 @@ class AnsweredStream:
         except queue.Empty:
             raise TimeoutError(f"no answer on the {self.name} stream within {timeout:g} s") from None
 
-    def reset(self) -> None:
+    def close(self) -> None:
         self.requests.put(None)
         self.call.cancel()
+
+    def reset(self) -> None:
+        self.close()
         self._open()

@@ -43,13 +43,14 @@ def delta_to_pb(d: Delta) -> frontend_pb2.Delta:
 
 
 class Channels:
-    """One channel per peer address, made on first use. A frontend that just failed is left alone for
-    ``DOWN_SECONDS`` (a host that drops packets would otherwise hold every step for the call's timeout)."""
+    """One ``Deliver`` stream per frontend address, opened on first use (and again after a failure). A frontend
+    that just failed is left alone for ``DOWN_SECONDS`` (a host that drops packets would otherwise hold every
+    step for the answer's timeout)."""
 
     DOWN_SECONDS = 1.0
 
     def __init__(self):
-        self._stubs: dict[str, frontend_pb2_grpc.FrontendStub] = {}
+        self._streams: dict[str, grpc_util.AnsweredStream] = {}
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -58,13 +59,17 @@ class Channels:
 
     def failed(self, address: str) -> None:
         self._down_until[address] = time.monotonic() + self.DOWN_SECONDS
-
-    def frontend(self, address: str) -> frontend_pb2_grpc.FrontendStub:
         with self._lock:
-            if address not in self._stubs:
-                channel = grpc_util.internal_channel(address)
-                self._stubs[address] = frontend_pb2_grpc.FrontendStub(channel)
-            return self._stubs[address]
+            stream = self._streams.pop(address, None)
+        if stream is not None:
+            stream.close()
+
+    def frontend(self, address: str) -> grpc_util.AnsweredStream:
+        with self._lock:
+            if address not in self._streams:
+                stub = frontend_pb2_grpc.FrontendStub(grpc_util.internal_channel(address))
+                self._streams[address] = grpc_util.AnsweredStream(stub.Deliver, "deliver")
+            return self._streams[address]
 
 
 class Orphans:
@@ -175,13 +180,16 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         """The ids the frontend holds no stream for, or None when it cannot be reached (now or just before)."""
         if self.channels.is_down(frontend):
             return None
+        stream = self.channels.frontend(frontend)
+        stream.send(frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]))
         try:
-            reply = self.channels.frontend(frontend).Deliver(
-                frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]), timeout=5
-            )
-        except grpc.RpcError as exc:
+            reply = stream.receive(timeout=5)
+        except TimeoutError as exc:
+            reply = exc
+        if not isinstance(reply, frontend_pb2.DeliverResponse):
             self.channels.failed(frontend)
-            log.warning("frontend %s unreachable (%s) for %d requests", frontend, exc.code(), len(deltas))
+            why = reply.code() if isinstance(reply, grpc.RpcError) else reply
+            log.warning("frontend %s unreachable (%s) for %d requests", frontend, why, len(deltas))
             return None
         return set(reply.unknown_request_ids)
 

@@ -263,9 +263,10 @@ class FrontendService(frontend_pb2_grpc.FrontendServicer):
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
 
-    async def Deliver(self, request, context):
-        unknown = self.frontend.deliver([delta_from_pb(d) for d in request.deltas])
-        return frontend_pb2.DeliverResponse(unknown_request_ids=unknown)
+    async def Deliver(self, request_iterator, context):
+        async for batch in request_iterator:
+            unknown = self.frontend.deliver([delta_from_pb(d) for d in batch.deltas])
+            yield frontend_pb2.DeliverResponse(unknown_request_ids=unknown)
 
 
 async def follow_engines(engines: EnginesClient, health, metrics: Metrics, http: OpenAIApi | None,

@@ -34,7 +34,7 @@ class FrontendStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Deliver = channel.unary_unary(
+        self.Deliver = channel.stream_stream(
                 '/conveyor.v1.Frontend/Deliver',
                 request_serializer=conveyor_dot_v1_dot_frontend__pb2.DeltaBatch.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_frontend__pb2.DeliverResponse.FromString,
@@ -44,8 +44,9 @@ class FrontendStub:
 class FrontendServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Deliver(self, request, context):
-        """Deltas for requests this frontend owns.
+    def Deliver(self, request_iterator, context):
+        """Deltas for requests this frontend owns, on one stream per detokenizer: every batch is answered before the
+        next is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -54,7 +55,7 @@ class FrontendServicer:
 
 def add_FrontendServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Deliver': grpc.unary_unary_rpc_method_handler(
+            'Deliver': grpc.stream_stream_rpc_method_handler(
                     servicer.Deliver,
                     request_deserializer=conveyor_dot_v1_dot_frontend__pb2.DeltaBatch.FromString,
                     response_serializer=conveyor_dot_v1_dot_frontend__pb2.DeliverResponse.SerializeToString,
@@ -71,7 +72,7 @@ class Frontend:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Deliver(request,
+    def Deliver(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -81,8 +82,8 @@ class Frontend:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/conveyor.v1.Frontend/Deliver',
             conveyor_dot_v1_dot_frontend__pb2.DeltaBatch.SerializeToString,
