@@ -43,13 +43,14 @@ def delta_to_pb(d: Delta) -> frontend_pb2.Delta:
 
 
 class Channels:
-    """One ``Deliver`` stream per frontend address, opened on first use (and again after a failure). A frontend
-    that just failed is left alone for ``DOWN_SECONDS`` (a host that drops packets would otherwise hold every
-    step for the answer's timeout)."""
+    """One channel per frontend address, and one ``Deliver`` stream on it, opened on first use (the stream again
+    after a failure, on the same channel). A frontend that just failed is left alone for ``DOWN_SECONDS`` (a
+    host that drops packets would otherwise hold every step for the answer's timeout)."""
 
     DOWN_SECONDS = 1.0
 
     def __init__(self):
+        self._stubs: dict[str, frontend_pb2_grpc.FrontendStub] = {}  # one channel per address, kept
         self._streams: dict[str, grpc_util.AnsweredStream] = {}
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -66,9 +67,10 @@ class Channels:
 
     def frontend(self, address: str) -> grpc_util.AnsweredStream:
         with self._lock:
+            if address not in self._stubs:
+                self._stubs[address] = frontend_pb2_grpc.FrontendStub(grpc_util.internal_channel(address))
             if address not in self._streams:
-                stub = frontend_pb2_grpc.FrontendStub(grpc_util.internal_channel(address))
-                self._streams[address] = grpc_util.AnsweredStream(stub.Deliver, "deliver")
+                self._streams[address] = grpc_util.AnsweredStream(self._stubs[address].Deliver, "deliver")
             return self._streams[address]
 
 

@@ -135,16 +135,14 @@ def _use_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
     return not reason
 
 
-# the linear layers (and the embedding) in our names; their weights are what packing and --quantize change
-_PACKABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-_HEAD = ("embed_tokens", "lm_head")
+_HEAD = ("embed_tokens", "lm_head")  # with each layer's linear layers (``_HF_LINEARS``): what packing changes
 
 
 def _pack_dense(state: dict[str, torch.Tensor], config: ModelConfig, quantize: str) -> None:
     """Every dense linear weight in ``state`` (``<module>.weight``) -> ``<module>.qweight`` + ``.qtype``: GGUF
     blocks of the ``quantize`` type, else its rows as stored (fp32 for a GGUF's dequantized tensors). A
     weight whose row length is not a multiple of 32 stays dense (and the model then runs module by module)."""
-    names = [f"layers.{i}.{m}" for i in range(config.num_layers) for m in _PACKABLE] + list(_HEAD)
+    names = [f"layers.{i}.{m}" for i in range(config.num_layers) for m in _HF_LINEARS] + list(_HEAD)
     for name in names:
         weight = state.get(f"{name}.weight")
         if weight is None or weight.shape[-1] % cpu_kernels.QK:
