@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conveyor.client import Client  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+from conveyor.params import SamplingParams  # noqa: E402
 from worker_svc.graphs import CudaGraph  # noqa: E402
 from worker_svc.kv_cache import KVCache  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
 from worker_svc.runner import ModelRunner, SeqChunk, StepInput  # noqa: E402
-from worker_svc.sampling import SamplingParams  # noqa: E402
 from worker_svc.server import resolve_dtype  # noqa: E402
 
 

@@ -187,7 +187,7 @@ def prefill_rates(bin_dir: Path, model: Path, threads: int, numerics: str) -> tu
     from worker_svc.kv_cache import KVCache
     from worker_svc.loader import load_model
     from worker_svc.runner import ModelRunner, SeqChunk, StepInput
-    from worker_svc.sampling import SamplingParams
+    from conveyor.params import SamplingParams
 
     loaded = load_model("default", numerics=numerics)
     runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, 40, "cpu", torch.float32),

@@ -22,11 +22,11 @@ import time
 
 import torch
 
+from conveyor.params import SamplingParams
 from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.loader import load_model
 from worker_svc.runner import ModelRunner, SeqChunk, StepInput
-from worker_svc.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -41,12 +41,10 @@ from pathlib import Path
 import grpc
 
 from conveyor.errors import ConveyorError, error_for_code
+from conveyor.params import GROUPS, field_names, to_pb
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc
 from conveyor.wire import FINISH_FROM_PB
 
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
-_STOP = ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output")
 
 
 @dataclass
@@ -100,13 +98,17 @@ def _chat_messages(messages: list[dict]) -> list[conveyor_pb2.ChatMessage]:
 
 def build_request(prompt: str | None = None, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                   request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                  logit_bias: dict[int, float] | None = None, stop: list[str] | str | None = None,
-                  stop_token_ids: list[int] | None = None, add_generation_prompt: bool | None = None,
-                  **options) -> conveyor_pb2.GenerateRequest:
-    """The ``GenerateRequest`` for a prompt, chat ``messages`` or token ids, and the options above."""
-    unknown = set(options) - set(_SAMPLING) - set(_STOP)
-    if unknown:
-        raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
+                  add_generation_prompt: bool | None = None, **options) -> conveyor_pb2.GenerateRequest:
+    """The ``GenerateRequest`` for a prompt, chat ``messages`` or token ids, and the options above (the fields
+    of ``conveyor.params.SamplingParams`` and ``StopParams``, by name; None leaves one unset)."""
+    groups = {group: {name: options.pop(name) for name in list(options) if name in field_names(kind)}
+              for group, kind in GROUPS.items()}
+    if options:
+        raise TypeError(f"unknown option(s): {', '.join(sorted(options))}")
+    if isinstance(groups["stop"].get("stop"), str):
+        groups["stop"]["stop"] = [groups["stop"]["stop"]]
+    if groups["sampling"].get("logit_bias"):
+        groups["sampling"]["logit_bias"] = {int(k): float(v) for k, v in groups["sampling"]["logit_bias"].items()}
     request = conveyor_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, priority=priority,
                                            cache_salt=cache_salt)
     if prompt is not None:
@@ -117,18 +119,8 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
         request.chat.messages.extend(_chat_messages(messages))
         if add_generation_prompt is not None:
             request.chat.add_generation_prompt = add_generation_prompt
-    for name in _SAMPLING:
-        if options.get(name) is not None:
-            setattr(request.sampling, name, options[name])
-    for name in _STOP:
-        if options.get(name) is not None:
-            setattr(request.stop, name, options[name])
-    if logit_bias:
-        request.sampling.logit_bias.update({int(k): float(v) for k, v in logit_bias.items()})
-    if stop:
-        request.stop.stop.extend([stop] if isinstance(stop, str) else stop)
-    if stop_token_ids:
-        request.stop.stop_token_ids.extend(stop_token_ids)
+    to_pb(groups["sampling"], request.sampling)
+    to_pb(groups["stop"], request.stop)
     return request
 
 

@@ -13,9 +13,16 @@ class ConveyorError(Exception):
 
 
 class InvalidArgument(ConveyorError, ValueError):
-    """A field of the request is malformed or out of range; the message names the field and limit."""
+    """A field of the request is malformed or out of range; the message names the field and limit.
+
+    ``field`` is the field's path as the gRPC API names it (``sampling.top_p``), when one field is to blame;
+    the message then starts with it, and ``reason`` is the rest (the HTTP API names the field its own way)."""
 
     code = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str = "", field: str | None = None):
+        super().__init__(f"{field} {message}" if field else message)
+        self.field, self.reason = field, message
 
 
 class ResourceExhausted(ConveyorError):

@@ -1,16 +1,26 @@
-"""A request's validated parameters, as every service sees them (and as Redis stores them).
+"""A request's parameters: the one list of them, as every service sees them (and as Redis stores them).
 
-The frontend builds one ``RequestParams`` from a ``GenerateRequest`` after checking every field;
-the scheduler turns it into the worker's sampling parameters and its own stop rules; the
-detokenizer reads the stop strings. Stored as JSON in the request's Redis hash.
+``SamplingParams`` and ``StopParams`` are the public API's ``SamplingOptions`` and ``StopConditions`` field
+for field, each with one ``check(limits)`` whose errors name the field; ``RequestParams`` holds both with
+the request's scheduling fields. Protobuf goes by field name (``given_from_pb``, ``from_pb``, ``to_pb``), so
+the frontend, the scheduler and the worker convert with the same two functions, and a new option is a field
+here, in the proto message, and where it is used. The frontend fills what a request leaves unset (the
+model's sampling defaults) and checks it; the scheduler sends the sampling and stop parameters to the
+worker (which checks their ranges again, ``Limits.wire``) and applies the stop rules; the detokenizer reads
+the stop strings. Stored as JSON in the request's Redis hash.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from conveyor.errors import InvalidArgument
+
 DEFAULT_MAX_TOKENS = 256
+GREEDY_EPS = 1e-5  # temperatures below this mean greedy
+MAX_LOGPROBS = 20  # alternatives per token: what the worker computes and the wire carries at most
 
 
 @dataclass(frozen=True)
@@ -62,10 +72,49 @@ def sampling_defaults(model) -> SamplingDefaults:
 
 
 @dataclass(frozen=True)
-class RequestParams:
-    # sampling
-    temperature: float = 1.0
-    top_k: int = -1
+class Limits:
+    """What a request may ask for. The frontend's come from its flags; the worker's (``Limits.wire``) are the
+    ranges its sampler and wire rely on, whatever the frontend allowed."""
+
+    max_model_len: int
+    vocab_size: int
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters
+    max_logprobs: int = MAX_LOGPROBS
+    max_prompt_chars: int = 1 << 20
+    max_prompt_tokens: int = 0  # 0: max_model_len - 1
+    max_stop_token_ids: int = 64  # each is checked on every token
+    max_logit_bias: int = 300  # entries; applied on every token (OpenAI's limit too)
+
+    @classmethod
+    def wire(cls, max_model_len: int, vocab_size: int) -> Limits:
+        """Ranges only: the counts a frontend may have raised by flag are not the worker's to refuse."""
+        many = 1 << 62
+        return cls(max_model_len, vocab_size, max_stop_strings=many, max_stop_length=many,
+                   max_stop_token_ids=many, max_logit_bias=many)
+
+
+MAX_TOP_K = 2**31 - 1  # the wire's field is an int32 (any top_k past the vocabulary means "off")
+SEED_RANGE = 2**64  # seeds are unsigned 64-bit on the wire
+
+
+def check(ok: bool, name: str, message: str) -> None:
+    """``InvalidArgument`` naming the field ``name`` (gRPC's path: ``sampling.top_p``) unless ``ok``."""
+    if not ok:
+        raise InvalidArgument(message, field=name)
+
+
+def _finite(value, name: str) -> None:
+    check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+          f"must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn (the public API's ``SamplingOptions``, the worker's sampler)."""
+
+    temperature: float = 1.0  # 0 (below GREEDY_EPS): greedy
+    top_k: int = -1  # <= 0: off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -75,32 +124,168 @@ class RequestParams:
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; N: the sampled token's plus N alternatives
     prompt_logprobs: int | None = None  # None: off; N: every prompt token's after the first, plus N alternatives
-    # stopping
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def check(self, limits: Limits) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            _finite(getattr(self, name), f"sampling.{name}")
+        check(self.temperature >= 0, "sampling.temperature", f"must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        check(-1 <= self.top_k <= MAX_TOP_K, "sampling.top_k",
+              f"must be -1 (off), 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
+        check(self.seed is None or 0 <= self.seed < SEED_RANGE, "sampling.seed", f"must be in [0, 2^64), got {self.seed}")
+        check(0 <= self.min_p <= 1, "sampling.min_p", f"must be in [0, 1], got {self.min_p}")
+        check(self.repetition_penalty > 0, "sampling.repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(-2 <= value <= 2, f"sampling.{name}", f"must be in [-2, 2], got {value}")
+        check(len(self.logit_bias) <= limits.max_logit_bias, "sampling.logit_bias",
+              f"has {len(self.logit_bias)} entries; at most {limits.max_logit_bias} are allowed (--max-logit-bias)")
+        for token, bias in self.logit_bias.items():
+            check(0 <= token < limits.vocab_size, "sampling.logit_bias",
+                  f"token id {token} is not below the vocabulary size {limits.vocab_size}")
+            check(math.isfinite(bias) and -100 <= bias <= 100, "sampling.logit_bias",
+                  f"value for token {token} must be in [-100, 100], got {bias}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= limits.max_logprobs, f"sampling.{name}",
+                  f"must be at most {limits.max_logprobs} and not negative, got {value}")
+
+
+@dataclass(frozen=True)
+class StopParams:
+    """When generation ends (the public API's ``StopConditions``). On the worker's wire ``stop_token_ids``
+    holds every id that ends the sequence (the model's eos included): the ones masked before ``min_tokens``."""
+
     max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+
+    def check(self, limits: Limits) -> None:
+        check(self.min_tokens >= 0, "stop.min_tokens", f"must be >= 0, got {self.min_tokens}")
+        check(self.max_tokens >= 1, "stop.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        check(self.min_tokens <= self.max_tokens, "stop.min_tokens",
+              f"({self.min_tokens}) must not exceed stop.max_tokens ({self.max_tokens})")
+        check(len(self.stop) <= limits.max_stop_strings, "stop.stop",
+              f"has {len(self.stop)} strings; at most {limits.max_stop_strings} are allowed (--max-stop-strings)")
+        for i, text in enumerate(self.stop):
+            check(text != "", f"stop.stop[{i}]", "must not be empty")
+            check(len(text) <= limits.max_stop_length, f"stop.stop[{i}]",
+                  f"is longer than {limits.max_stop_length} characters")
+        check(len(self.stop_token_ids) <= limits.max_stop_token_ids, "stop.stop_token_ids",
+              f"has {len(self.stop_token_ids)} ids; at most {limits.max_stop_token_ids} are allowed (--max-stop-token-ids)")
+        for token in self.stop_token_ids:
+            check(0 <= token < limits.vocab_size, "stop.stop_token_ids",
+                  f"token id {token} is not below the vocabulary size {limits.vocab_size}")
+
+    def stop_ids(self, eos_token_ids: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """Token ids that end the request: the model's eos (unless ignore_eos) and stop_token_ids."""
+        ids = () if self.ignore_eos else tuple(eos_token_ids)
+        return tuple(dict.fromkeys(ids + self.stop_token_ids))
+
+
+GROUPS = {"sampling": SamplingParams, "stop": StopParams}  # RequestParams' parts, as the public API groups them
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopParams = field(default_factory=StopParams)
     # scheduling: lower runs first (as vLLM); equal priorities run in arrival order
     priority: int = 0
     # whose cached prefixes this request may reuse and add to (conveyor.prefix.scoped): its API key's, and its
     # cache_salt's (vLLM's); "" shares the cache with every request of the same scope ""
     cache_scope: str = ""
 
+    @classmethod
+    def of(cls, **values) -> RequestParams:
+        """From flat field names (``max_tokens=9, temperature=0``): each goes to the group that has it."""
+        groups = {name: {} for name in GROUPS}
+        top = {}
+        for name, value in values.items():
+            group = next((g for g, kind in GROUPS.items() if name in field_names(kind)), None)
+            (groups[group] if group else top)[name] = value
+        return cls(**{g: params_from(GROUPS[g], raw) for g, raw in groups.items()}, **top)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> RequestParams:
-        known = {f.name for f in fields(cls)}
-        raw = {k: v for k, v in json.loads(text).items() if k in known}  # a newer process's fields: not ours
-        raw["logit_bias"] = {int(k): float(v) for k, v in raw.get("logit_bias", {}).items()}
-        raw["stop"] = tuple(raw.get("stop", ()))
-        raw["stop_token_ids"] = tuple(raw.get("stop_token_ids", ()))
-        return cls(**raw)
+        raw = json.loads(text)
+        if "sampling" not in raw:  # a record written before the groups (flat): sorted by name
+            return cls.of(**{k: v for k, v in raw.items() if k in _ALL_NAMES})
+        top = {k: v for k, v in raw.items() if k in field_names(cls) and k not in GROUPS}  # a newer process's: not ours
+        return cls(**{g: params_from(kind, raw.get(g, {})) for g, kind in GROUPS.items()}, **top)
 
-    def stop_ids(self, eos_token_ids: tuple[int, ...] | list[int]) -> tuple[int, ...]:
-        """Token ids that end the request: the model's eos (unless ignore_eos) and stop_token_ids."""
-        ids = () if self.ignore_eos else tuple(eos_token_ids)
-        return tuple(dict.fromkeys(ids + self.stop_token_ids))
+
+def field_names(kind) -> set[str]:
+    return {f.name for f in fields(kind)}
+
+
+_ALL_NAMES = set().union(*(field_names(k) for k in GROUPS.values()), field_names(RequestParams))
+
+
+def params_from(kind, raw: dict):
+    """A group (``SamplingParams``, ``StopParams``) from JSON-ish values (keys as strings, lists): its own
+    fields only, in their types."""
+    raw = {k: v for k, v in raw.items() if k in field_names(kind)}
+    if "logit_bias" in raw:
+        raw["logit_bias"] = {int(k): float(v) for k, v in raw["logit_bias"].items()}
+    for name in ("stop", "stop_token_ids"):
+        if name in raw:
+            raw[name] = tuple(raw[name])
+    return kind(**raw)
+
+
+# ---------------------------------------------------------------- protobuf, by field name
+
+
+def given_from_pb(message, kind) -> dict:
+    """The fields of ``kind`` that ``message`` sets, by name (an unset optional field is left out): a map as a
+    dict, a repeated field as a tuple. Fields only one side has are skipped, so a message may carry a subset."""
+    out = {}
+    by_name = message.DESCRIPTOR.fields_by_name
+    for name in field_names(kind):
+        desc = by_name.get(name)
+        if desc is None or (desc.has_presence and not message.HasField(name)):
+            continue
+        value = getattr(message, name)
+        if desc.message_type is not None and desc.message_type.GetOptions().map_entry:
+            value = dict(value)
+        elif desc.is_repeated:
+            value = tuple(value)
+        out[name] = value
+    return out
+
+
+def from_pb(kind, message):
+    """``kind`` from ``message`` (``given_from_pb``), unset fields at their defaults."""
+    return kind(**given_from_pb(message, kind))
+
+
+def to_pb(values, message):
+    """Fill ``message`` from a dataclass (or a dict of field values) by name; None leaves a field unset."""
+    items = asdict(values).items() if not isinstance(values, dict) else values.items()
+    by_name = message.DESCRIPTOR.fields_by_name
+    for name, value in items:
+        desc = by_name.get(name)
+        if desc is None or value is None:
+            continue
+        if desc.message_type is not None and desc.message_type.GetOptions().map_entry:
+            getattr(message, name).update(value)
+        elif desc.is_repeated:
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, value)
+    return message

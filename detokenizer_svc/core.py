@@ -130,7 +130,7 @@ class DetokenizerCore:
         p = record.params
         detok = IncrementalDetokenizer(self.tokenizer, context=record.prompt_ids)
         return Stream(record.request_id, frontend, p, len(record.prompt_ids), detok,
-                      StopMatcher(p.stop, p.include_stop_str_in_output))
+                      StopMatcher(p.stop.stop, p.stop.include_stop_str_in_output))
 
     def _open(self, entry: TokenEntry) -> Stream | None:
         record = self.store.get(entry.request_id)

@@ -53,7 +53,7 @@ class Request:
     def from_record(cls, record: RequestRecord, eos_token_ids: tuple[int, ...]) -> Request:
         """From Redis: a new request, or one in flight before a restart (recomputed from its tokens)."""
         return cls(
-            record.request_id, record.prompt_ids, record.params, record.params.stop_ids(eos_token_ids),
+            record.request_id, record.prompt_ids, record.params, record.params.stop.stop_ids(eos_token_ids),
             record.arrival, output_ids=list(record.output_ids), first_token_time=record.first_token,
             frontend=record.frontend, owner=record.owner, client_id=record.client_id, engine=record.engine,
             prompt_logprobs=record.prompt_logprobs, cached_tokens=record.cached_tokens,
@@ -72,7 +72,7 @@ class Request:
     @property
     def scores_prompt(self) -> bool:
         """It asked for prompt_logprobs and has none yet (once the first token is out they were written)."""
-        return self.params.prompt_logprobs is not None and not self.output_ids
+        return self.params.sampling.prompt_logprobs is not None and not self.output_ids
 
     def keep_scores(self, first_position: int, entries: list) -> None:
         """Prompt tokens the worker scored, from ``first_position`` (a recompute scores the same ones again)."""
@@ -97,7 +97,7 @@ class Request:
     def may_extend(self, max_model_len: int) -> bool:
         """Whether one more token can follow the ones in flight (else a decode_last would be wasted)."""
         ahead = self.num_tokens + self.samples_in_flight
-        return len(self.output_ids) + self.samples_in_flight < self.params.max_tokens and ahead < max_model_len
+        return len(self.output_ids) + self.samples_in_flight < self.params.stop.max_tokens and ahead < max_model_len
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)
@@ -107,9 +107,9 @@ class Request:
 
     def finish_check(self, max_model_len: int) -> str | None:
         """After a new token: "stop", "length" or None (the worker masks stop ids before min_tokens)."""
-        if self.output_ids[-1] in self.stop_ids and len(self.output_ids) >= self.params.min_tokens:
+        if self.output_ids[-1] in self.stop_ids and len(self.output_ids) >= self.params.stop.min_tokens:
             self.stopped_by_token = True
             return "stop"
-        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        if len(self.output_ids) >= self.params.stop.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None

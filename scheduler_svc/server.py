@@ -10,6 +10,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -17,6 +18,7 @@ from conveyor import grpc_util
 from conveyor.engines import Lease, Registry
 from conveyor.errors import Unavailable
 from conveyor.metrics import Metrics
+from conveyor.params import to_pb
 from conveyor.state import RequestStore
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
@@ -36,23 +38,24 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # ---------------------------------------------------------------- protobuf <-> dataclasses
 
 
-def sampling_pb(request: Request) -> worker_pb2.SamplingParams:
+def registration_pb(request: Request, chunk: worker_pb2.SequenceChunk | None = None) -> worker_pb2.SequenceChunk:
+    """What the worker needs to register ``request``'s sequence: its sampling parameters (prompt_logprobs only
+    while the prompt is still to be scored) and its stop ids (the model's eos included), by field name.
+    Raises for data that does not fit the wire."""
+    chunk = chunk if chunk is not None else worker_pb2.SequenceChunk()
     p = request.params
-    return worker_pb2.SamplingParams(
-        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, seed=p.seed, min_tokens=p.min_tokens,
-        stop_token_ids=request.stop_ids, top_logprobs=p.logprobs or 0, logprobs=p.logprobs is not None,
-        prompt_logprobs=p.prompt_logprobs if request.scores_prompt else None,
-    )
+    to_pb(replace(p.sampling, prompt_logprobs=p.sampling.prompt_logprobs if request.scores_prompt else None),
+          chunk.sampling)
+    to_pb(replace(p.stop, stop=(), stop_token_ids=request.stop_ids), chunk.stop)
+    chunk.num_prompt_tokens = len(request.prompt_ids)
+    return chunk
 
 
 def chunk_pb(c) -> worker_pb2.SequenceChunk:
     chunk = worker_pb2.SequenceChunk(seq_id=c.request.request_id, token_ids=c.token_ids, start_pos=c.start_pos,
                                      new_block_ids=c.new_blocks, sample=c.sample, decode_last=c.decode_last)
     if c.registers:
-        chunk.sampling.CopyFrom(sampling_pb(c.request))
-        chunk.num_prompt_tokens = len(c.request.prompt_ids)
+        registration_pb(c.request, chunk)
         chunk.cached_token_ids.extend(c.cached_ids)
     return chunk
 
@@ -75,7 +78,7 @@ def _alternatives(t: worker_pb2.SampledToken) -> list[tuple[int, float]]:
 
 
 def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
-    wants = {c.request.request_id: c.request.params.logprobs is not None for c in plan.chunks}
+    wants = {c.request.request_id: c.request.params.sampling.logprobs is not None for c in plan.chunks}
     sampled = {t.seq_id: (t.token_id, (t.logprob, _alternatives(t)) if wants.get(t.seq_id) else None)
                for t in reply.tokens}
     scored = {p.seq_id: (p.first_position, [(t.token_id, t.logprob, rank, _alternatives(t))
@@ -281,7 +284,7 @@ def build_engine(cfg: SchedulerConfig, metrics: Metrics, lease: Lease | None = N
 
     engine = Engine(scheduler, store, StepChannel(worker, cfg.step_timeout), Publisher(detokenizer),
                     tuple(info.eos_token_ids), metrics=metrics, name=cfg.engine, lease=lease)
-    engine.check_request = sampling_pb  # raises for data that cannot go on the wire: refused at submission
+    engine.check_request = registration_pb  # raises for data that cannot go on the wire: refused at submission
     watch_redis(store, metrics)
     public = scheduler_pb2.SchedulerInfoResponse(
         model_name=info.model_name, max_model_len=max_len, eos_token_ids=info.eos_token_ids,

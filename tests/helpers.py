@@ -172,9 +172,9 @@ class TinyScheduler:
     def run(self, prompts: list[list[int]], max_tokens: int, params=None, together: bool = True):
         """Returns (tokens, logprobs) per prompt. ``together``: all sequences share every step."""
         from worker_svc.runner import SeqChunk, StepInput
-        from worker_svc.sampling import SamplingParams
+        from conveyor.params import SamplingParams
 
-        params = params or [SamplingParams(temperature=0.0, logprobs=True)] * len(prompts)
+        params = params or [SamplingParams(temperature=0.0, logprobs=0)] * len(prompts)
         if not together:
             outs = [self.run([p], max_tokens, [q]) for p, q in zip(prompts, params)]
             return [o[0][0] for o in outs], [o[1][0] for o in outs]

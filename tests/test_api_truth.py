@@ -34,7 +34,7 @@ from conveyor.tokenizer import load_tokenizer
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.engine import Engine
 from scheduler_svc.policy import Answer, Scheduler
-from scheduler_svc.server import plan_to_pb, sampling_pb
+from scheduler_svc.server import plan_to_pb, registration_pb
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -70,12 +70,12 @@ class WireOnly:
 
 def test_a_request_whose_data_cannot_go_on_the_wire_ends_alone_and_health_stays_up(redis_server):
     store = RequestStore.from_url(redis_server, prefix=f"truth-{uuid.uuid4().hex[:8]}")
-    good = RequestRecord("good", [1, 2, 3], RequestParams(max_tokens=3, ignore_eos=True))
-    bad = RequestRecord("bad", [1, 2, 3], RequestParams(seed=-1, max_tokens=3))  # a uint64 field on the wire
+    good = RequestRecord("good", [1, 2, 3], RequestParams.of(max_tokens=3, ignore_eos=True))
+    bad = RequestRecord("bad", [1, 2, 3], RequestParams.of(seed=-1, max_tokens=3))  # a uint64 field on the wire
     for record in (good, bad):
         assert store.create(record)
     engine = Engine(Scheduler(BlockManager(64, 16), 1024, 512, 8, 16), store, WireOnly(), lambda *a: None, (2,))
-    engine.check_request = sampling_pb
+    engine.check_request = registration_pb
     with pytest.raises(InvalidArgument, match="cannot be computed"):
         engine.submit("bad")  # refused at the door
     health = []

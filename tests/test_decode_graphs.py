@@ -94,7 +94,7 @@ def test_each_size_is_captured_once_and_big_batches_run_eager(dense_model, promp
     runner = make_runner(dense_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=4, **FLEX)
     reference = make_runner(dense_model, num_blocks=64, **FLEX)
     from worker_svc.runner import SeqChunk, StepInput
-    from worker_svc.sampling import SamplingParams
+    from conveyor.params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     out = {}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from conveyor.params import SamplingDefaults, sampling_defaults
-from tokenizer_svc.validation import GenerateInput, Limits, build_params
+from conveyor.params import Limits
+from tokenizer_svc.validation import GenerateInput, build_params
 
 
 def _hf_folder(path, generation_config=None):
@@ -35,7 +36,8 @@ def test_without_model_defaults_conveyors_chat_friendly_ones_apply():
 def test_unset_fields_take_the_defaults_and_set_ones_win():
     limits = Limits(max_model_len=100, vocab_size=1000)
     defaults = SamplingDefaults(temperature=0.3, top_k=7, top_p=0.5, min_p=0.1, repetition_penalty=1.1)
-    unset = build_params(GenerateInput(prompt="x"), 3, limits, defaults)
-    assert (unset.temperature, unset.top_k, unset.top_p, unset.min_p, unset.repetition_penalty) == (0.3, 7, 0.5, 0.1, 1.1)
-    chosen = build_params(GenerateInput(prompt="x", temperature=0.0, top_k=-1, top_p=1.0), 3, limits, defaults)
-    assert (chosen.temperature, chosen.top_k, chosen.top_p) == (0.0, -1, 1.0)
+    s = build_params(GenerateInput(prompt="x"), 3, limits, defaults).sampling
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty) == (0.3, 7, 0.5, 0.1, 1.1)
+    c = build_params(GenerateInput(prompt="x", sampling={"temperature": 0.0, "top_k": -1, "top_p": 1.0}), 3, limits,
+                     defaults).sampling
+    assert (c.temperature, c.top_k, c.top_p) == (0.0, -1, 1.0)

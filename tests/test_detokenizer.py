@@ -102,7 +102,7 @@ def test_core_splits_text_across_steps_and_reports_a_stop_string(store, tokenize
     stops = []
     core = DetokenizerCore(tokenizer, store, lambda rid, n, repeat=False: stops.append((rid, n, repeat)))
     ids = tokenizer.encode(" one two three four five")
-    rid = _record(store, tokenizer, RequestParams(stop=("three",)))
+    rid = _record(store, tokenizer, RequestParams.of(stop=("three",)))
     deltas = []
     for i in range(0, len(ids), 2):
         for fe, ds in core.push([TokenEntry(rid, i, ids[i : i + 2])])[0].items():
@@ -131,7 +131,7 @@ def test_core_skips_resent_tokens_and_replays_from_redis_after_a_restart(store, 
 
 
 def test_core_gives_no_text_to_the_token_that_stopped_it(store, tokenizer):
-    rid = _record(store, tokenizer, RequestParams(stop_token_ids=(tokenizer.encode("!")[0],)))
+    rid = _record(store, tokenizer, RequestParams.of(stop_token_ids=(tokenizer.encode("!")[0],)))
     core = DetokenizerCore(tokenizer, store, lambda *a: None)
     ids = tokenizer.encode("Yes!")
     final = core.push([TokenEntry(rid, 0, ids, finish_reason="stop", stopped_by_token=True)])[0]["fe:1"][-1]
@@ -140,7 +140,7 @@ def test_core_gives_no_text_to_the_token_that_stopped_it(store, tokenizer):
 
 def test_replay_rebuilds_the_text_from_redis_for_a_new_frontend(store, tokenizer):
     ids = tokenizer.encode(" Hello there, general Kenobi")
-    rid = _record(store, tokenizer, RequestParams(stop=("general",)), output_ids=ids)
+    rid = _record(store, tokenizer, RequestParams.of(stop=("general",)), output_ids=ids)
     core = DetokenizerCore(tokenizer, store, lambda *a, **k: None)
     seen = core.push([TokenEntry(rid, 0, ids[:3])])[0]["fe:1"]
     frontend, deltas = core.replay(rid, "fe:2")  # a client resumed on another frontend

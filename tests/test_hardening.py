@@ -296,7 +296,7 @@ def test_replay_decodes_without_the_lock_every_step_needs(redis_server, tokenize
 def test_a_stop_string_finish_during_a_step_does_not_move_the_steps_token(redis_server):
     store = RequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
     scheduler = Scheduler(BlockManager(64, 4), 1000, 32, 8, 16)
-    record = RequestRecord(uuid.uuid4().hex, [10, 11, 12], RequestParams(max_tokens=50))
+    record = RequestRecord(uuid.uuid4().hex, [10, 11, 12], RequestParams.of(max_tokens=50))
     assert store.create(record)
     rid = record.request_id
     scheduler.add(Request.from_record(record, (2,)))

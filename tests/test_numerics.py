@@ -14,11 +14,11 @@ import pytest
 import torch
 from helpers import ROOT, hf_logits, make_runner
 
+from conveyor.params import SamplingParams
 from worker_svc import cpu_kernels
 from worker_svc.loader import load_model
 from worker_svc.packed import PackedLinear
 from worker_svc.runner import SeqChunk, StepInput
-from worker_svc.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
 
@@ -68,7 +68,7 @@ def _teacher_forced(loaded, texts: list[list[int]]) -> tuple[list[list[int]], li
     """Feed each text one token per step (all texts in one batch); the greedy token and its log-probability
     after every prefix."""
     runner = make_runner(loaded, num_blocks=len(texts) * (POSITIONS // 16 + 1))
-    params = SamplingParams(temperature=0.0, top_logprobs=1)
+    params = SamplingParams(temperature=0.0, logprobs=1)
     per = POSITIONS // 16 + 1
     preds, logprobs = [[] for _ in texts], [[] for _ in texts]
     for pos in range(POSITIONS - 1):

@@ -291,7 +291,7 @@ def test_a_request_without_sampling_fields_gets_the_servers_defaults(stack, clie
 
     with Client(stack.endpoint, api_key=KEY, timeout=60) as grpc_client:
         grpc_client.generate(PROMPT, max_tokens=2, request_id="no-sampling-fields")
-    params = RequestStore.from_url(stack.redis_url).find("no-sampling-fields", owner="tester").params
+    params = RequestStore.from_url(stack.redis_url).find("no-sampling-fields", owner="tester").params.sampling
     d = SamplingDefaults()  # the default model has no defaults of its own
     assert (params.temperature, params.top_k, params.top_p, params.min_p) == (d.temperature, d.top_k, d.top_p, d.min_p)
 

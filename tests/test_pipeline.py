@@ -160,7 +160,7 @@ def test_redis_records_the_documented_fields_and_they_expire(stack, client, defa
     assert record.status == "finished" and record.finish_reason == deltas[-1].finish_reason
     assert record.output_ids == [t for d in deltas for t in d.token_ids]
     assert record.num_output == deltas[-1].completion_tokens and record.first_token >= record.arrival
-    assert record.finish >= record.first_token and record.params.max_tokens == 30 and record.params.temperature == 0
+    assert record.finish >= record.first_token and record.params.stop.max_tokens == 30 and record.params.sampling.temperature == 0
     assert key not in store.inflight()
     assert 0 < store.ttl(key) <= 3.0 and 0 < store.redis.pttl(store.alias_key("", rid)) <= 3000
     time.sleep(3.2)

@@ -15,8 +15,8 @@ EOS = 2
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 100) -> Request:
-    p = RequestParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, list(prompt), p, p.stop_ids((EOS,)), arrival=0.0)
+    p = RequestParams.of(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(prompt), p, p.stop.stop_ids((EOS,)), arrival=0.0)
 
 
 def _scheduler(num_blocks=64, budget=64, seqs=8, prefix_cache=True) -> Scheduler:

@@ -14,8 +14,8 @@ EOS = 2
 
 
 def _request(rid: str, prompt_len: int, priority: int = 0, max_tokens: int = 100, arrival: float = 0.0) -> Request:
-    p = RequestParams(max_tokens=max_tokens, ignore_eos=True, priority=priority)
-    return Request(rid, list(range(10, 10 + prompt_len)), p, p.stop_ids((EOS,)), arrival=arrival)
+    p = RequestParams.of(max_tokens=max_tokens, ignore_eos=True, priority=priority)
+    return Request(rid, list(range(10, 10 + prompt_len)), p, p.stop.stop_ids((EOS,)), arrival=arrival)
 
 
 def _scheduler(num_blocks=64, budget=64, seqs=8, waiting=64) -> Scheduler:

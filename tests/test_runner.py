@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import TinyScheduler, hf_logits, make_runner
 
+from conveyor.params import SamplingParams
 from worker_svc.runner import InvalidStep, SeqChunk, StepInput
-from worker_svc.sampling import SamplingParams
 
 MAX_TOKENS = 64
 CHATS = [

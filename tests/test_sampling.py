@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import TinyScheduler, make_runner
 
-from worker_svc.sampling import SampleRow, SamplingParams, apply_bias_and_min_tokens, apply_penalties, sample
+from conveyor.params import SamplingParams, StopParams
+from worker_svc.sampling import SampleRow, apply_bias_and_min_tokens, apply_penalties, sample
 
 VOCAB = 512
 
@@ -73,7 +74,7 @@ def test_draws_follow_the_tempered_distribution(temperature):
 
 def test_greedy_takes_the_argmax_and_reports_logprobs():
     logits = _logits(5).unsqueeze(0)
-    (result,) = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0.0, top_logprobs=3), [], [])])
+    (result,) = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0.0, logprobs=3), [], [])])
     logprobs = torch.log_softmax(logits[0], dim=-1)
     assert result.token_id == int(logits.argmax())
     assert result.logprob == pytest.approx(logprobs.max().item(), abs=1e-6)
@@ -116,8 +117,8 @@ def test_logit_bias_and_min_tokens():
     logits = torch.tensor([LOGITS, LOGITS, LOGITS])
     rows = [
         SampleRow(SamplingParams(logit_bias={5: 2.5, 3: -10.0}), [], []),
-        SampleRow(SamplingParams(min_tokens=3, stop_token_ids=(3,)), [], [1, 1]),  # 2 < 3: token 3 masked
-        SampleRow(SamplingParams(min_tokens=3, stop_token_ids=(3,)), [], [1, 1, 1]),  # 3 generated: allowed
+        SampleRow(SamplingParams(), [], [1, 1], StopParams(min_tokens=3, stop_token_ids=(3,))),  # 2 < 3: token 3 masked
+        SampleRow(SamplingParams(), [], [1, 1, 1], StopParams(min_tokens=3, stop_token_ids=(3,))),  # 3 generated: allowed
     ]
     apply_bias_and_min_tokens(logits, rows)
     assert logits[0].tolist() == pytest.approx([2.0, -1.0, 0.5, -7.0, -2.0, 3.5])
@@ -175,8 +176,8 @@ def test_seeded_draws_survive_a_recompute(default_model, chat_prompts):
 def test_logprobs_are_computed_only_for_the_rows_that_ask():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
     rows = [SampleRow(SamplingParams(temperature=0.0), [], []),
-            SampleRow(SamplingParams(temperature=0.0, logprobs=True), [], []),
-            SampleRow(SamplingParams(temperature=0.0, top_logprobs=2), [], [])]
+            SampleRow(SamplingParams(temperature=0.0, logprobs=0), [], []),
+            SampleRow(SamplingParams(temperature=0.0, logprobs=2), [], [])]
     results = sample(logits.clone(), rows)
     assert [r.token_id for r in results] == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, dim=-1).max(-1).values.tolist()

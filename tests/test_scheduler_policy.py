@@ -14,8 +14,8 @@ EOS = 2
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int = 100, **params) -> Request:
-    p = RequestParams(max_tokens=max_tokens, **params)
-    return Request(rid, list(range(10, 10 + prompt_len)), p, p.stop_ids((EOS,)), arrival=0.0)
+    p = RequestParams.of(max_tokens=max_tokens, **params)
+    return Request(rid, list(range(10, 10 + prompt_len)), p, p.stop.stop_ids((EOS,)), arrival=0.0)
 
 
 def _scheduler(num_blocks=64, block_size=4, budget=32, seqs=8, waiting=16, max_len=1000, prefix_cache=False) -> Scheduler:

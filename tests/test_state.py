@@ -31,7 +31,7 @@ def test_a_retried_append_does_not_add_the_tokens_twice(redis_server):
 def test_a_lost_record_is_reported_and_restored_whole(redis_server):
     store = _store(redis_server)
     rid = uuid.uuid4().hex
-    record = RequestRecord(rid, [1, 2, 3], RequestParams(max_tokens=9), frontend="fe:1", owner="alice")
+    record = RequestRecord(rid, [1, 2, 3], RequestParams.of(max_tokens=9), frontend="fe:1", owner="alice")
     assert store.create(record)
     assert _append(store, rid, [7, 8], 2) == set()
     store.redis.delete(store.key(rid), store.out_key(rid))  # Redis restarted and lost it
@@ -41,7 +41,7 @@ def test_a_lost_record_is_reported_and_restored_whole(redis_server):
     writer.restore(record)
     assert writer.execute() == set()
     back = store.get(rid)
-    assert (back.output_ids, back.prompt_ids, back.frontend, back.owner, back.params.max_tokens) == \
+    assert (back.output_ids, back.prompt_ids, back.frontend, back.owner, back.params.stop.max_tokens) == \
         ([7, 8, 9], [1, 2, 3], "fe:1", "alice", 9)
     assert rid in store.inflight()
 

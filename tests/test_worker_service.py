@@ -11,10 +11,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import conveyor_command, free_port, make_runner, spawn, stop, wait_serving
 
+from conveyor.params import SamplingParams
 from conveyor.v1 import worker_pb2 as pb
 from conveyor.v1 import worker_pb2_grpc
+from conveyor.v1.conveyor_pb2 import SamplingOptions
 from worker_svc.runner import SeqChunk, StepInput
-from worker_svc.sampling import SamplingParams
 
 KV_BYTES = 64 << 20
 
@@ -88,11 +89,11 @@ def _reference(default_model, prompt, steps, params):
 def test_steps_over_grpc_give_the_in_process_tokens(stub, default_model):
     tok = default_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three planets."}]))
-    greedy = pb.SamplingParams(temperature=0.0, top_logprobs=2)
+    greedy = SamplingOptions(temperature=0.0, logprobs=2)
     assert _generate(stub, "g", prompt, range(8), 12, greedy) == _reference(
         default_model, prompt, 12, SamplingParams(temperature=0.0)
     )
-    seeded = pb.SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    seeded = SamplingOptions(temperature=0.8, top_p=0.9, seed=7)
     assert _generate(stub, "s", prompt, range(8, 16), 12, seeded) == _reference(
         default_model, prompt, 12, SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     )
@@ -100,7 +101,7 @@ def test_steps_over_grpc_give_the_in_process_tokens(stub, default_model):
 
 
 def test_logprobs_come_back_with_the_token(stub):
-    reply = stub.Step(pb.StepRequest(chunks=[_pb_chunk("lp", [1, 2, 3], 0, [20], pb.SamplingParams(top_logprobs=4), 3)]))
+    reply = stub.Step(pb.StepRequest(chunks=[_pb_chunk("lp", [1, 2, 3], 0, [20], SamplingOptions(temperature=0.0, logprobs=4), 3)]))
     token = reply.tokens[0]
     assert token.seq_id == "lp" and len(token.top_logprobs) == 4
     assert token.top_logprobs[0].token_id == token.token_id  # greedy picks the most likely
@@ -110,11 +111,11 @@ def test_logprobs_come_back_with_the_token(stub):
 
 
 MALFORMED = {
-    "block id out of range": (_pb_chunk("x", [1, 2], 0, [10**6], pb.SamplingParams(), 2), "block id 1000000 is out of range"),
-    "position past max model length": (_pb_chunk("x", [5] * 8193, 0, [0], pb.SamplingParams(), 8193), "max model length 8192"),
+    "block id out of range": (_pb_chunk("x", [1, 2], 0, [10**6], SamplingOptions(), 2), "block id 1000000 is out of range"),
+    "position past max model length": (_pb_chunk("x", [5] * 8193, 0, [0], SamplingOptions(), 8193), "max model length 8192"),
     "unknown sequence": (_pb_chunk("ghost", [1], 12, []), "unknown sequence"),
-    "token outside vocabulary": (_pb_chunk("x", [60000], 0, [0], pb.SamplingParams(), 1), "outside the vocabulary"),
-    "bad sampling value": (_pb_chunk("x", [1], 0, [0], pb.SamplingParams(temperature=-1.0), 1), "temperature must be >= 0"),
+    "token outside vocabulary": (_pb_chunk("x", [60000], 0, [0], SamplingOptions(), 1), "outside the vocabulary"),
+    "bad sampling value": (_pb_chunk("x", [1], 0, [0], SamplingOptions(temperature=-1.0), 1), "temperature must be >= 0"),
 }
 
 
@@ -122,7 +123,7 @@ MALFORMED = {
 def test_malformed_step_is_invalid_argument_and_harmless(stub, default_model, name):
     bad, message = MALFORMED[name]
     prompt = default_model.tokenizer.encode("The capital of Italy is")
-    greedy = pb.SamplingParams(temperature=0.0)
+    greedy = SamplingOptions(temperature=0.0)
     first = stub.Step(pb.StepRequest(chunks=[_pb_chunk("keep", prompt, 0, [30, 31], greedy, len(prompt))]))
     token = first.tokens[0].token_id
     with pytest.raises(grpc.RpcError) as err:
@@ -147,7 +148,7 @@ def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default
     from scheduler_svc.server import StepChannel
 
     prompt = default_model.tokenizer.encode("The capital of Spain is")
-    good, bad = (Request(rid, prompt, RequestParams(temperature=0.0), (), 0.0) for rid in ("fine", "culprit"))
+    good, bad = (Request(rid, prompt, RequestParams.of(temperature=0.0), (), 0.0) for rid in ("fine", "culprit"))
     plan = StepPlan(1, [Chunk(good, prompt, 0, [40, 41], True), Chunk(bad, prompt, 0, [10**6], True)], [])
     channel = StepChannel(stub, step_timeout=60)
     channel.send(plan)
@@ -189,7 +190,7 @@ def test_step_stream_runs_queued_steps_in_order(stub, default_model):
     prompt = default_model.tokenizer.encode("The tallest mountain on Earth is")
     requests: queue.Queue = queue.Queue()
     replies = stub.StepStream(iter(requests.get, None))
-    greedy = pb.SamplingParams(temperature=0.0)
+    greedy = SamplingOptions(temperature=0.0)
     requests.put(pb.StepRequest(step_id=1, chunks=[_pb_chunk("st", prompt, 0, [40, 41], greedy, len(prompt))]))
     for i in range(7):  # all queued at once: each decodes the token sampled by the step before
         chunk = pb.SequenceChunk(seq_id="st", start_pos=len(prompt) + i, sample=True, decode_last=True)

@@ -25,10 +25,10 @@ from redis.exceptions import RedisError
 
 from conveyor.errors import AlreadyExists, ConveyorError, InvalidArgument, NotFound, Unavailable
 from conveyor.messages import Delta
-from conveyor.params import SamplingDefaults
+from conveyor.params import Limits, SamplingDefaults
 from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore, new_request_key
 from conveyor.tokenizer import ModelTokenizer
-from tokenizer_svc.validation import GenerateInput, Limits, build_params, cache_scope, check_input, check_size
+from tokenizer_svc.validation import GenerateInput, build_params, cache_scope, check_input, check_size
 
 log = logging.getLogger("conveyor.frontend")
 
@@ -140,7 +140,7 @@ class Frontend:
         check_size(inp, self.limits)  # every route that tokenizes comes here: its cost is bounded first
         if inp.messages is not None:
             if not self.tokenizer.chat_template:
-                raise InvalidArgument("chat: this model has no chat template; send a prompt instead")
+                raise InvalidArgument("this model has no chat template; send a prompt instead", field="chat")
             text = self.tokenizer.apply_chat_template(inp.messages, inp.add_generation_prompt)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         if inp.prompt_ids is not None:
@@ -158,7 +158,7 @@ class Frontend:
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
                                client_id=inp.request_id, engine=engine)
         stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id)
-        stream.scores_prompt = params.prompt_logprobs is not None
+        stream.scores_prompt = params.sampling.prompt_logprobs is not None
         stream.prompt_ids = prompt_ids if stream.scores_prompt else []  # kept only to echo them with their scores
         with self.lock:
             self.streams[request_id] = stream
@@ -235,7 +235,7 @@ class Frontend:
                                   f"far, got {token_index}")
         request_id = record.request_id
         stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset, client_id)
-        stream.scores_prompt = record.params.prompt_logprobs is not None
+        stream.scores_prompt = record.params.sampling.prompt_logprobs is not None
         stream.prompt_ids = record.prompt_ids if stream.scores_prompt else []
         with self.lock:
             self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed

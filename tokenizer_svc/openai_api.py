@@ -34,7 +34,8 @@ from tokenizer_svc.openai_bodies import (MAX_N, HttpError, body_field, chat_mess
                                          int_list, prompts_of, refuse_unsupported, sampling_input)
 from tokenizer_svc.openai_reply import Reply
 from tokenizer_svc.streaming import Blocking
-from tokenizer_svc.validation import SEED_RANGE, GenerateInput
+from conveyor.params import SEED_RANGE
+from tokenizer_svc.validation import GenerateInput
 
 log = logging.getLogger("conveyor.frontend")
 MAX_BODY_BYTES = 8 << 20
@@ -247,11 +248,12 @@ class OpenAIApi:
         inputs = []
         for prompt in prompts:
             for i in range(n):
+                seed = common.sampling.get("seed")
                 inputs.append(dataclasses.replace(
                     common, messages=messages, prompt=prompt if isinstance(prompt, str) else None,
                     prompt_ids=prompt if isinstance(prompt, list) else None,
                     # n seeded choices differ, and reproduce
-                    seed=(common.seed + i) % SEED_RANGE if common.seed is not None else None))
+                    sampling={**common.sampling, "seed": (seed + i) % SEED_RANGE if seed is not None else None}))
         self.auth.open_stream(owner, len(inputs))  # each choice is a stream, as a gRPC stream is
         opened: list[ClientStream] = []
         try:
@@ -260,7 +262,7 @@ class OpenAIApi:
             # each choice's text starts with its prompt (token ids: their text)
             echoed = [(i.prompt if i.prompt is not None else self.frontend.tokenizer.decode(i.prompt_ids)) if echo
                       else "" for i in inputs]
-            reply = Reply(self, opened, chat, include_usage, echoed, inputs[0].logprobs is not None, n,
+            reply = Reply(self, opened, chat, include_usage, echoed, common.sampling.get("logprobs") is not None, n,
                           body_field(body, "prompt_logprobs", (int,)) is not None)
             if stream:
                 return StreamingResponse(reply.events(owner), media_type="text/event-stream",

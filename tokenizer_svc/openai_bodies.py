@@ -36,17 +36,24 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-def from_conveyor(exc: ConveyorError) -> HttpError:
-    """The core's error as HTTP: the field it names (validation messages start with it) becomes ``param``,
-    without the gRPC message's prefixes (``sampling.``, ``stop.``); a token-id prompt is ``prompt`` here."""
-    message = str(exc)
+def http_name(field: str) -> str:
+    """A core field path (gRPC's names: ``sampling.top_p``, ``stop.stop[0]``, ``prompt_ids``) as the HTTP API
+    names it (``top_p``, ``stop[0]``, ``prompt``)."""
     for prefix in ("sampling.", "stop.", "chat."):
-        message = message.removeprefix(prefix)
-    if message.startswith("prompt_ids "):
-        message = "prompt" + message.removeprefix("prompt_ids")
+        field = field.removeprefix(prefix)
+    return "prompt" + field.removeprefix("prompt_ids") if field.startswith("prompt_ids") else field
+
+
+def from_conveyor(exc: ConveyorError) -> HttpError:
+    """The core's error as HTTP: the field an ``InvalidArgument`` names becomes ``param``, in the HTTP API's
+    names. A 400 from another process (its field did not cross gRPC) names the message's first word."""
     status = STATUS.get(exc.code, 500)
-    param = message.split(" ", 1)[0] if status == 400 else None
-    return HttpError(status, message, param, exc.code.lower())
+    field = getattr(exc, "field", None)
+    if status == 400 and field:
+        param = http_name(field)
+        return HttpError(400, f"{param} {exc.reason}", param, exc.code.lower())
+    message = str(exc)
+    return HttpError(status, message, message.split(" ", 1)[0] if status == 400 else None, exc.code.lower())
 
 
 # ---------------------------------------------------------------- request bodies
@@ -107,17 +114,21 @@ def sampling_input(body: dict, chat: bool) -> GenerateInput:
     prompt_logprobs = body_field(body, "prompt_logprobs", (int,))
     if prompt_logprobs is None and not chat and logprobs is not None and body_field(body, "echo", (bool,), False):
         prompt_logprobs = logprobs
-    return GenerateInput(
-        temperature=_float(body, "temperature"),
-        top_p=_float(body, "top_p"), top_k=body_field(body, "top_k", (int,)), min_p=_float(body, "min_p"),
-        repetition_penalty=_float(body, "repetition_penalty"), presence_penalty=_float(body, "presence_penalty"),
-        frequency_penalty=_float(body, "frequency_penalty"), logit_bias=_logit_bias(body),
-        seed=_seed(body), logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=max_tokens,
-        min_tokens=body_field(body, "min_tokens", (int,), 0), stop=_stop_strings(body),
-        stop_token_ids=int_list(body, "stop_token_ids"), ignore_eos=body_field(body, "ignore_eos", (bool,), False),
-        include_stop_str_in_output=body_field(body, "include_stop_str_in_output", (bool,), False),
-        priority=body_field(body, "priority", (int,), 0), cache_salt=body_field(body, "cache_salt", (str,)),
-    )
+    sampling = {
+        "temperature": _float(body, "temperature"), "top_p": _float(body, "top_p"),
+        "top_k": body_field(body, "top_k", (int,)), "min_p": _float(body, "min_p"),
+        "repetition_penalty": _float(body, "repetition_penalty"),
+        "presence_penalty": _float(body, "presence_penalty"), "frequency_penalty": _float(body, "frequency_penalty"),
+        "logit_bias": _logit_bias(body), "seed": _seed(body), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+    }
+    stop = {
+        "max_tokens": max_tokens, "min_tokens": body_field(body, "min_tokens", (int,)), "stop": _stop_strings(body),
+        "stop_token_ids": int_list(body, "stop_token_ids"), "ignore_eos": body_field(body, "ignore_eos", (bool,)),
+        "include_stop_str_in_output": body_field(body, "include_stop_str_in_output", (bool,)),
+    }
+    return GenerateInput(sampling={k: v for k, v in sampling.items() if v is not None},
+                         stop={k: v for k, v in stop.items() if v is not None},
+                         priority=body_field(body, "priority", (int,), 0), cache_salt=body_field(body, "cache_salt", (str,)))
 
 
 def _float(body: dict, name: str) -> float | None:

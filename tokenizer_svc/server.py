@@ -28,7 +28,7 @@ from conveyor.engines import Registry, Router, Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
-from conveyor.params import sampling_defaults
+from conveyor.params import Limits, SamplingParams, StopParams, given_from_pb, sampling_defaults
 from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
@@ -38,7 +38,7 @@ from tokenizer_svc.config import FrontendConfig
 from tokenizer_svc.frontend import ClientDelta, Frontend
 from tokenizer_svc.openai_api import OpenAIApi
 from tokenizer_svc.streaming import Blocking, RequestTimer, follow
-from tokenizer_svc.validation import GenerateInput, Limits
+from tokenizer_svc.validation import GenerateInput
 
 log = logging.getLogger("conveyor.frontend")
 PUBLIC_SERVICE = conveyor_pb2.DESCRIPTOR.services_by_name["Conveyor"].full_name
@@ -48,10 +48,6 @@ INTERNAL_SERVICE = frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_nam
 # ---------------------------------------------------------------- protobuf <-> dataclasses
 
 
-def _optional(message, name: str):
-    return getattr(message, name) if message.HasField(name) else None
-
-
 def _chat(chat: conveyor_pb2.Chat) -> tuple[list[dict], bool]:
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
@@ -59,17 +55,9 @@ def _chat(chat: conveyor_pb2.Chat) -> tuple[list[dict], bool]:
 
 
 def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
-    s, stop = pb.sampling, pb.stop
     inp = GenerateInput(
-        request_id=pb.request_id, priority=pb.priority, cache_salt=_optional(pb, "cache_salt"),
-        temperature=_optional(s, "temperature"), top_k=_optional(s, "top_k"), top_p=_optional(s, "top_p"),
-        min_p=_optional(s, "min_p"), repetition_penalty=_optional(s, "repetition_penalty"),
-        presence_penalty=_optional(s, "presence_penalty"), frequency_penalty=_optional(s, "frequency_penalty"),
-        logit_bias=dict(s.logit_bias), seed=_optional(s, "seed"), logprobs=_optional(s, "logprobs"),
-        prompt_logprobs=_optional(s, "prompt_logprobs"),
-        max_tokens=_optional(stop, "max_tokens"), min_tokens=stop.min_tokens, stop=list(stop.stop),
-        stop_token_ids=list(stop.stop_token_ids), ignore_eos=stop.ignore_eos,
-        include_stop_str_in_output=stop.include_stop_str_in_output,
+        request_id=pb.request_id, priority=pb.priority, cache_salt=pb.cache_salt if pb.HasField("cache_salt") else None,
+        sampling=given_from_pb(pb.sampling, SamplingParams), stop=given_from_pb(pb.stop, StopParams),
     )
     kind = pb.WhichOneof("input")
     if kind == "prompt":

@@ -13,18 +13,20 @@ state of every other sequence stay as they were.
 
 from __future__ import annotations
 
+
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from conveyor.errors import InvalidArgument
+from conveyor.params import SamplingParams, StopParams
 from worker_svc.attention import (PagedAttention, Rows, decode_rows, decode_size, padded_tables, paged_attention,
                                   prefill_rows)
 from worker_svc.graphs import DecodeGraphs, Graph
 from worker_svc.kv_cache import KVCache
 from worker_svc.model import AttentionMetadata, LlamaModel, PrefillChunk
-from worker_svc.sampling import Sampled, SampleRow, SamplingParams, Scored, sample, score
+from worker_svc.sampling import Sampled, SampleRow, Scored, sample, score
 
 
 class InvalidStep(InvalidArgument):
@@ -49,6 +51,7 @@ class SeqChunk:
     num_prompt_tokens: int = 0  # with sampling: the original prompt length (later tokens are output)
     decode_last: bool = False  # token_ids empty: compute the token sampled for it in the previous step
     cached_token_ids: list[int] = field(default_factory=list)  # registers: positions [0, start_pos) hold KV
+    stop: StopParams = field(default_factory=StopParams)  # with sampling: every stop id, masked before min_tokens
 
     @property
     def registers(self) -> bool:
@@ -82,6 +85,7 @@ class SeqState:
     # prompt_logprobs: the hidden state of the last position computed, while the prompt goes on in the next chunk
     # (it scores that chunk's first token)
     pending_hidden: torch.Tensor | None = None
+    stop: StopParams = field(default_factory=StopParams)
 
 
 class ModelRunner:
@@ -146,8 +150,7 @@ class ModelRunner:
         last = self.seqs[c.seq_id].last_sampled if known else None
         if last is None:
             raise InvalidStep(f"{where}: decode_last but nothing was sampled for it in the previous step", c.seq_id)
-        return SeqChunk(c.seq_id, [last], c.start_pos, c.new_block_ids, c.sample, c.sampling, c.num_prompt_tokens,
-                        cached_token_ids=c.cached_token_ids)
+        return replace(c, token_ids=[last], decode_last=False)
 
     def _check_chunk(self, c: SeqChunk, known: bool) -> None:
         where = f"sequence {c.seq_id!r}"
@@ -235,10 +238,11 @@ class ModelRunner:
 
     def _staged_state(self, c: SeqChunk) -> SeqState:
         if c.registers:
-            return SeqState(c.sampling, c.num_prompt_tokens, c.cached_token_ids + c.token_ids, list(c.new_block_ids))
+            return SeqState(c.sampling, c.num_prompt_tokens, c.cached_token_ids + c.token_ids, list(c.new_block_ids),
+                            stop=c.stop)
         old = self.seqs[c.seq_id]
         return SeqState(old.params, old.num_prompt_tokens, old.tokens + c.token_ids, old.block_table + c.new_block_ids,
-                        pending_hidden=old.pending_hidden)
+                        pending_hidden=old.pending_hidden, stop=old.stop)
 
     def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> list[StepResult]:
         if self.graphs is not None and len(order) <= self.graphs.max_batch and all(len(c.token_ids) == 1 for c in order):
@@ -256,7 +260,8 @@ class ModelRunner:
             sample_rows = []
             for c in sampled:
                 s = staged[c.seq_id]
-                sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :]))
+                sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :],
+                                             s.stop))
             results = [StepResult(c.seq_id, r, scored.pop(c.seq_id, None))
                        for c, r in zip(sampled, sample(logits, sample_rows, self.generator))]
         return results + [StepResult(seq_id, None, prompt) for seq_id, prompt in scored.items() if prompt is not None]

@@ -20,36 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-GREEDY_EPS = 1e-5  # temperatures below this mean greedy
+from conveyor.params import SamplingParams, StopParams
+
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the generator's seed space
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one sequence samples. Defaults mean: plain sampling at temperature 1, no penalties."""
-
-    temperature: float = 1.0
-    top_k: int = -1  # <= 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
-    min_tokens: int = 0  # stop_token_ids are masked until this many tokens were generated
-    stop_token_ids: tuple[int, ...] = ()
-    top_logprobs: int = 0  # how many alternatives to return with each sampled token
-    logprobs: bool = False  # the sampled token's log-probability (implied by top_logprobs > 0)
-    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives each (None: off)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -59,6 +32,7 @@ class SampleRow:
     params: SamplingParams
     prompt_ids: list[int]  # the original prompt
     output_ids: list[int]  # tokens generated so far (fed back to the model)
+    stop: StopParams = field(default_factory=StopParams)  # stop_token_ids are masked before min_tokens
 
 
 @dataclass
@@ -115,8 +89,8 @@ def apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> No
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
-        if p.stop_token_ids and len(row.output_ids) < p.min_tokens:
-            logits[i, list(p.stop_token_ids)] = float("-inf")
+        if _masks_stop_ids(row):
+            logits[i, list(row.stop.stop_token_ids)] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -169,9 +143,12 @@ def _needs_truncation(p: SamplingParams, vocab: int) -> bool:
     return p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0
 
 
+def _masks_stop_ids(row: SampleRow) -> bool:
+    return bool(row.stop.stop_token_ids) and len(row.output_ids) < row.stop.min_tokens
+
+
 def _edits_logits(row: SampleRow) -> bool:
-    p = row.params
-    return bool(p.logit_bias) or p.has_penalties or (bool(p.stop_token_ids) and len(row.output_ids) < p.min_tokens)
+    return bool(row.params.logit_bias) or row.params.has_penalties or _masks_stop_ids(row)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None) -> list[Sampled]:
@@ -202,10 +179,10 @@ def _to_host(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> 
     """The sampled tokens with their log-probabilities (and alternatives) for the rows that ask, brought to
     the host in one copy: on a GPU the step's one wait for the device. A log-softmax over the vocabulary is
     the most expensive part of sampling a greedy batch, so only the rows that ask pay for it."""
-    asking = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs]
+    asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not asking:
         return [Sampled(t, 0.0, []) for t in tokens.tolist()]
-    want_top = max(rows[i].params.top_logprobs for i in asking)
+    want_top = max(rows[i].params.logprobs for i in asking)
     parts = [tokens.double()]  # ids are exact in float64; one tensor, one copy
     picked = raw[asking]
     log_norm = torch.logsumexp(picked, dim=-1, keepdim=True)  # logprob = raw logit - log_norm
@@ -219,7 +196,7 @@ def _to_host(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> 
     logprob, alternatives = [0.0] * n, [[] for _ in rows]
     for j, i in enumerate(asking):
         logprob[i] = host[n + j]
-        top = rows[i].params.top_logprobs
+        top = rows[i].params.logprobs
         at = n + k + j * want_top
         at_values = at + k * want_top
         alternatives[i] = [(int(t), v) for t, v in zip(host[at : at + top], host[at_values : at_values + top])]

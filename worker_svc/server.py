@@ -15,7 +15,9 @@ import grpc
 import torch
 
 from conveyor import grpc_util
+from conveyor.errors import InvalidArgument
 from conveyor.metrics import Metrics
+from conveyor.params import Limits, SamplingParams, StopParams, from_pb
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
 from conveyor.wire import FAILED_SEQ_METADATA
 from worker_svc.config import WorkerConfig
@@ -23,9 +25,7 @@ from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import GpuMemory, KVCache, bytes_per_block, kv_budget_bytes
 from worker_svc.loader import LoadedModel, load_model
 from worker_svc.runner import InvalidStep, ModelRunner, SeqChunk, StepInput, StepResult
-from worker_svc.sampling import SamplingParams
 
-MAX_LOGPROBS = 20  # alternatives per token on the wire (the frontend's --max-logprobs is at most this)
 
 log = logging.getLogger("conveyor.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -34,50 +34,24 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # ---------------------------------------------------------------- protobuf <-> dataclasses
 
 
-def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=pb.temperature,
-        top_k=pb.top_k,
-        top_p=pb.top_p or 1.0,
-        min_p=pb.min_p,
-        repetition_penalty=pb.repetition_penalty or 1.0,
-        presence_penalty=pb.presence_penalty,
-        frequency_penalty=pb.frequency_penalty,
-        logit_bias=dict(pb.logit_bias),
-        seed=pb.seed if pb.HasField("seed") else None,
-        min_tokens=pb.min_tokens,
-        stop_token_ids=tuple(pb.stop_token_ids),
-        top_logprobs=pb.top_logprobs,
-        logprobs=pb.logprobs,
-        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
-    )
+def registration_from_pb(c: worker_pb2.SequenceChunk, limits: Limits) -> tuple[SamplingParams, StopParams]:
+    """A registering chunk's sampling and stop parameters, checked against the ranges the sampler relies on
+    (the frontend checks users' values under its own limits; this guards the wire)."""
+    sampling, stop = from_pb(SamplingParams, c.sampling), from_pb(StopParams, c.stop)
+    try:
+        sampling.check(limits)
+        stop.check(limits)
+    except InvalidArgument as exc:
+        raise InvalidStep(f"sequence {c.seq_id!r}: {exc}", c.seq_id) from None
+    return sampling, stop
 
 
-def check_sampling(seq_id: str, p: SamplingParams, vocab_size: int) -> None:
-    """The ranges the sampler relies on (the frontend checks users' values; this guards the wire)."""
-    problems = [
-        (p.temperature >= 0, f"temperature must be >= 0, got {p.temperature}"),
-        (0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}"),
-        (0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}"),
-        (p.repetition_penalty > 0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
-        (all(0 <= t < vocab_size for t in p.logit_bias), f"logit_bias token ids must be < {vocab_size}"),
-        (all(0 <= t < vocab_size for t in p.stop_token_ids), f"stop_token_ids must be < {vocab_size}"),
-        (p.top_logprobs <= MAX_LOGPROBS, f"top_logprobs must be <= {MAX_LOGPROBS}, got {p.top_logprobs}"),
-        ((p.prompt_logprobs or 0) <= MAX_LOGPROBS, f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {p.prompt_logprobs}"),
-    ]
-    for ok, message in problems:
-        if not ok:
-            raise InvalidStep(f"sequence {seq_id!r}: {message}", seq_id)
-
-
-def step_from_pb(pb: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
+def step_from_pb(pb: worker_pb2.StepRequest, limits: Limits) -> StepInput:
     chunks = []
     for c in pb.chunks:
-        sampling = sampling_from_pb(c.sampling) if c.HasField("sampling") else None
-        if sampling is not None:
-            check_sampling(c.seq_id, sampling, vocab_size)
+        sampling, stop = registration_from_pb(c, limits) if c.HasField("sampling") else (None, StopParams())
         chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
-                               sampling, c.num_prompt_tokens, c.decode_last, list(c.cached_token_ids)))
+                               sampling, c.num_prompt_tokens, c.decode_last, list(c.cached_token_ids), stop))
     return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
 
 
@@ -103,6 +77,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, info: worker_pb2.InfoResponse, metrics: Metrics):
         self.runner = runner
         self.info = info
+        self.limits = Limits.wire(info.max_model_len, info.vocab_size)
         self.metrics = metrics
         # Every step runs on this one thread: steps mutate the cache and sequence state, and an
         # OpenMP runtime keeps a thread team per calling thread (gRPC's pool would make many).
@@ -112,7 +87,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self.info
 
     def Step(self, request, context):
-        step = step_from_pb(request, self.info.vocab_size)
+        step = step_from_pb(request, self.limits)
         return self.compute.submit(self._run, request.step_id, step).result()
 
     def StepStream(self, request_iterator, context):
@@ -133,7 +108,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         def read() -> None:
             try:
                 for request in request_iterator:
-                    results.put(self.compute.submit(run, request.step_id, step_from_pb(request, self.info.vocab_size)))
+                    results.put(self.compute.submit(run, request.step_id, step_from_pb(request, self.limits)))
             except Exception as exc:  # noqa: BLE001 - a bad step or a broken stream: end after the queued ones
                 results.put(exc)
             results.put(None)
