@@ -13,8 +13,10 @@ Options (keyword arguments of ``generate``, ``stream`` and ``chat``): ``temperat
 (score the prompt: each token's logprob after the first, with this many alternatives), ``max_tokens``,
 ``min_tokens``, ``stop`` (strings), ``stop_token_ids``, ``ignore_eos``,
 ``include_stop_str_in_output``, ``request_id``, ``priority``, ``cache_salt`` (vLLM's: only requests with the
-same salt share cached prefixes), ``timeout`` (seconds, the call's deadline) and, for
-chat, ``add_generation_prompt``. Server errors are raised as the ``conveyor.errors`` class of
+same salt share cached prefixes), ``structured`` (constrain the output:
+``{"json_schema": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``, ``{"lark": ...}``, ``{"gbnf": ...}`` or
+``{"json_object": True}``), ``timeout`` (seconds, the call's deadline) and, for chat,
+``add_generation_prompt``. Server errors are raised as the ``conveyor.errors`` class of
 their status code (``InvalidArgument``, ``ResourceExhausted``, ``DeadlineExceeded``, ...).
 
 Security: ``Client(target, api_key="...")`` sends ``authorization: Bearer <key>``; ``tls=True`` (or
@@ -33,6 +35,7 @@ streaming it dies, carry on from another one with what you already have:
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +44,7 @@ from pathlib import Path
 import grpc
 
 from conveyor.errors import ConveyorError, error_for_code
-from conveyor.params import GROUPS, field_names, to_pb
+from conveyor.params import GROUPS, STRUCTURED_KINDS, field_names, to_pb
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc
 from conveyor.wire import FINISH_FROM_PB
 
@@ -98,9 +101,13 @@ def _chat_messages(messages: list[dict]) -> list[conveyor_pb2.ChatMessage]:
 
 def build_request(prompt: str | None = None, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                   request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                  add_generation_prompt: bool | None = None, **options) -> conveyor_pb2.GenerateRequest:
+                  add_generation_prompt: bool | None = None, structured: dict | None = None,
+                  **options) -> conveyor_pb2.GenerateRequest:
     """The ``GenerateRequest`` for a prompt, chat ``messages`` or token ids, and the options above (the fields
-    of ``conveyor.params.SamplingParams`` and ``StopParams``, by name; None leaves one unset)."""
+    of ``conveyor.params.SamplingParams`` and ``StopParams``, by name; None leaves one unset). ``structured``:
+    one kind of the proto's ``Structured`` (``{"json_schema": {...}}`` (a dict or JSON text), ``{"regex": ...}``,
+    ``{"choice": [...]}``, ``{"lark": ...}``, ``{"gbnf": ...}``, ``{"json_object": True}``), optionally with
+    ``"whitespace_pattern"``."""
     groups = {group: {name: options.pop(name) for name in list(options) if name in field_names(kind)}
               for group, kind in GROUPS.items()}
     if options:
@@ -121,7 +128,24 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
             request.chat.add_generation_prompt = add_generation_prompt
     to_pb(groups["sampling"], request.sampling)
     to_pb(groups["stop"], request.stop)
+    if structured:
+        _structured_pb(structured, request.structured)
     return request
+
+
+def _structured_pb(spec: dict, message: conveyor_pb2.Structured) -> None:
+    spec = dict(spec)
+    if "whitespace_pattern" in spec:
+        message.whitespace_pattern = spec.pop("whitespace_pattern")
+    if len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        raise TypeError(f"structured takes one of {', '.join(STRUCTURED_KINDS)}, got {', '.join(spec) or 'none'}")
+    ((kind, value),) = spec.items()
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        message.choice.choices.extend(value)
+    else:
+        setattr(message, kind, value)
 
 
 def build_tokenize_request(prompt: str | None, messages: list[dict] | None) -> conveyor_pb2.TokenizeRequest:

@@ -85,13 +85,14 @@ class Limits:
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
     max_stop_token_ids: int = 64  # each is checked on every token
     max_logit_bias: int = 300  # entries; applied on every token (OpenAI's limit too)
+    max_grammar_bytes: int = 64 << 10  # a structured-output spec's UTF-8 bytes (a schema, a regex, a grammar)
 
     @classmethod
     def wire(cls, max_model_len: int, vocab_size: int) -> Limits:
         """Ranges only: the counts a frontend may have raised by flag are not the worker's to refuse."""
         many = 1 << 62
         return cls(max_model_len, vocab_size, max_stop_strings=many, max_stop_length=many,
-                   max_stop_token_ids=many, max_logit_bias=many)
+                   max_stop_token_ids=many, max_logit_bias=many, max_grammar_bytes=many)
 
 
 MAX_TOP_K = 2**31 - 1  # the wire's field is an int32 (any top_k past the vocabulary means "off")
@@ -194,6 +195,53 @@ class StopParams:
         return tuple(dict.fromkeys(ids + self.stop_token_ids))
 
 
+def compact_json(value) -> str:
+    """The one JSON text of a value a spec stores (a schema, choices): no spaces, non-ASCII kept."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")  # the proto's oneof
+
+
+@dataclass(frozen=True)
+class Structured:
+    """A constraint on the output (the public API's ``Structured``). ``spec``: the JSON schema as JSON text,
+    the regex, the choices as a JSON array of strings, or the grammar; "" for json_object.
+    ``whitespace_pattern``: the JSON kinds' whitespace between tokens (None: the default, bounded)."""
+
+    kind: str
+    spec: str = ""
+    whitespace_pattern: str | None = None
+
+    def check(self, limits: Limits, name: str = "structured") -> None:
+        """The kind and the size; whether the engine can enforce the spec is ``conveyor.structured.validate``'s."""
+        check(self.kind in STRUCTURED_KINDS, name, f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        size = len(self.spec.encode()) + len((self.whitespace_pattern or "").encode())
+        check(size <= limits.max_grammar_bytes, name,
+              f"is {size} bytes; at most {limits.max_grammar_bytes} are allowed (--max-grammar-bytes)")
+
+    @classmethod
+    def from_pb(cls, message) -> Structured | None:
+        kind = message.WhichOneof("kind")
+        if kind is None:
+            return None
+        value = getattr(message, kind)
+        spec = compact_json(list(value.choices)) if kind == "choice" else "" if kind == "json_object" else value
+        pattern = message.whitespace_pattern if message.HasField("whitespace_pattern") else None
+        return cls(kind, spec, pattern)
+
+    def to_pb(self, message):
+        if self.kind == "choice":
+            message.choice.choices.extend(json.loads(self.spec))
+        elif self.kind == "json_object":
+            message.json_object = True
+        else:
+            setattr(message, self.kind, self.spec)
+        if self.whitespace_pattern is not None:
+            message.whitespace_pattern = self.whitespace_pattern
+        return message
+
+
 GROUPS = {"sampling": SamplingParams, "stop": StopParams}  # RequestParams' parts, as the public API groups them
 
 
@@ -206,6 +254,7 @@ class RequestParams:
     # whose cached prefixes this request may reuse and add to (conveyor.prefix.scoped): its API key's, and its
     # cache_salt's (vLLM's); "" shares the cache with every request of the same scope ""
     cache_scope: str = ""
+    structured: Structured | None = None  # the output's constraint (structured output); None: free text
 
     @classmethod
     def of(cls, **values) -> RequestParams:
@@ -226,6 +275,8 @@ class RequestParams:
         if "sampling" not in raw:  # a record written before the groups (flat): sorted by name
             return cls.of(**{k: v for k, v in raw.items() if k in _ALL_NAMES})
         top = {k: v for k, v in raw.items() if k in field_names(cls) and k not in GROUPS}  # a newer process's: not ours
+        if top.get("structured") is not None:
+            top["structured"] = Structured(**{k: v for k, v in top["structured"].items() if k in field_names(Structured)})
         return cls(**{g: params_from(kind, raw.get(g, {})) for g, kind in GROUPS.items()}, **top)
 
 

@@ -245,7 +245,7 @@ class Engine:
                 log.info("the worker answers again; continuing")
                 self._set_health(worker_up=True)
             with self.cond:
-                outputs = self.scheduler.update(sent, answer.sampled, scored=answer.scored)
+                outputs = self.scheduler.update(sent, answer.sampled, scored=answer.scored, failed=answer.failed)
             self._observe(sent, outputs)
             self._write_and_publish(sent, outputs, sent_decided)
 

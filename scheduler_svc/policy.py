@@ -93,10 +93,12 @@ class Output:
 class Answer:
     """The worker's answer to a step. ``sampled``: request id -> (token id, (logprob, alternatives) or None);
     ``scored``: request id -> (position of the first, [(token id, logprob, rank, alternatives)]), the prompt
-    tokens scored for requests that asked for prompt_logprobs."""
+    tokens scored for requests that asked for prompt_logprobs; ``failed``: request id -> why the worker could
+    not sample it (its constraint allows no token): that request ends with the error, alone."""
 
     sampled: dict[str, tuple[int, object]]
     scored: dict[str, tuple[int, list]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -376,7 +378,7 @@ class Scheduler:
         return chunk
 
     def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None,
-               scored: dict[str, tuple[int, list]] | None = None) -> list[Output]:
+               scored: dict[str, tuple[int, list]] | None = None, failed: dict[str, str] | None = None) -> list[Output]:
         """Apply a step's results: ``sampled`` maps request id -> (token id, logprobs or None); ``scored``: the
         prompt tokens scored (``Answer.scored``), kept until they are written with the first token.
 
@@ -394,6 +396,10 @@ class Scheduler:
                 continue
             request.samples_in_flight -= 1
             request.suspect = False  # a step that held it succeeded
+            if failed and request.request_id in failed:
+                request.error = failed[request.request_id]
+                outputs.append(self._finish(request, "error"))
+                continue
             token, logprobs = sampled[request.request_id]
             index = len(request.output_ids)
             request.output_ids.append(token)

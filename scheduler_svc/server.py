@@ -40,13 +40,15 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 def registration_pb(request: Request, chunk: worker_pb2.SequenceChunk | None = None) -> worker_pb2.SequenceChunk:
     """What the worker needs to register ``request``'s sequence: its sampling parameters (prompt_logprobs only
-    while the prompt is still to be scored) and its stop ids (the model's eos included), by field name.
+    while the prompt is still to be scored), its stop ids (the model's eos included) and its constraint.
     Raises for data that does not fit the wire."""
     chunk = chunk if chunk is not None else worker_pb2.SequenceChunk()
     p = request.params
     to_pb(replace(p.sampling, prompt_logprobs=p.sampling.prompt_logprobs if request.scores_prompt else None),
           chunk.sampling)
     to_pb(replace(p.stop, stop=(), stop_token_ids=request.stop_ids), chunk.stop)
+    if p.structured is not None:
+        p.structured.to_pb(chunk.structured)
     chunk.num_prompt_tokens = len(request.prompt_ids)
     return chunk
 
@@ -80,11 +82,11 @@ def _alternatives(t: worker_pb2.SampledToken) -> list[tuple[int, float]]:
 def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
     wants = {c.request.request_id: c.request.params.sampling.logprobs is not None for c in plan.chunks}
     sampled = {t.seq_id: (t.token_id, (t.logprob, _alternatives(t)) if wants.get(t.seq_id) else None)
-               for t in reply.tokens}
+               for t in reply.tokens if not t.error}
     scored = {p.seq_id: (p.first_position, [(t.token_id, t.logprob, rank, _alternatives(t))
                                             for t, rank in zip(p.tokens, p.ranks)])
               for p in reply.prompt_logprobs}
-    return Answer(sampled, scored)
+    return Answer(sampled, scored, {t.seq_id: t.error for t in reply.tokens if t.error})
 
 
 def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatch:

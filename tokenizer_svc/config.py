@@ -24,6 +24,7 @@ class FrontendConfig:
     max_stop_strings: int = setting(16, "most stop strings per request")
     max_stop_token_ids: int = setting(64, "most stop token ids per request (each is checked on every token)")
     max_logit_bias: int = setting(300, "most logit_bias entries per request (applied on every token)")
+    max_grammar_bytes: int = setting(64 << 10, "largest structured-output spec (JSON schema, regex, grammar), in bytes")
     max_prompt_tokens: int = setting(0, "most prompt tokens per request (0: the model's max length - 1)")
     max_message_bytes: int = setting(4 << 20, "largest request message in bytes (beyond: RESOURCE_EXHAUSTED)",
                                      parse=parse_size)
@@ -57,6 +58,7 @@ class FrontendConfig:
         require(self.max_stop_strings >= 0, "max_stop_strings", "must be >= 0")
         require(self.max_stop_token_ids >= 0, "max_stop_token_ids", "must be >= 0")
         require(self.max_logit_bias >= 0, "max_logit_bias", "must be >= 0")
+        require(self.max_grammar_bytes >= 1, "max_grammar_bytes", "must be >= 1")
         require(self.max_streams >= 1, "max_streams", "must be >= 1")
         require(self.http_header_timeout > 0, "http_header_timeout", "must be > 0")
         require(self.http_max_connections >= 1, "http_max_connections", "must be >= 1")

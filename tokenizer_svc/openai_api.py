@@ -29,12 +29,12 @@ from starlette.routing import Route
 from conveyor import grpc_util
 from conveyor.errors import ConveyorError, NotFound
 from conveyor.metrics import Metrics
+from conveyor.params import SEED_RANGE
 from tokenizer_svc.frontend import ClientStream, Frontend
 from tokenizer_svc.openai_bodies import (MAX_N, HttpError, body_field, chat_messages, error_response, from_conveyor,
-                                         int_list, prompts_of, refuse_unsupported, sampling_input)
+                                         int_list, prompts_of, refuse_unsupported, sampling_input, structured_input)
 from tokenizer_svc.openai_reply import Reply
 from tokenizer_svc.streaming import Blocking
-from conveyor.params import SEED_RANGE
 from tokenizer_svc.validation import GenerateInput
 
 log = logging.getLogger("conveyor.frontend")
@@ -241,6 +241,7 @@ class OpenAIApi:
         echo = not chat and body_field(body, "echo", (bool,), False)
         refuse_unsupported(body)
         common = sampling_input(body, chat)
+        common.structured, common.structured_field = structured_input(body)
         messages = chat_messages(body) if chat else None
         prompts = [None] if chat else prompts_of(body)
         if len(prompts) * n > MAX_N:  # counted before anything is expanded, decoded or tokenized

@@ -8,10 +8,12 @@ OpenAI ignores them; a known field of the wrong type is a 400.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from starlette.responses import JSONResponse
 
 from conveyor.errors import ConveyorError, InvalidArgument
+from conveyor.params import Structured, compact_json
 from tokenizer_svc.validation import GenerateInput, seed_from_int64
 
 MAX_N = 16  # choices of one request (prompts x n)
@@ -148,33 +150,120 @@ def _seed(body: dict) -> int | None:
         raise HttpError(400, str(exc), "seed") from None
 
 
-# Structured output and tools (the structured-output issue implements them). Until then a request that asks for
-# them is refused, never answered with free text as if they had been honoured.
-UNSUPPORTED = ("tools", "functions", "function_call", "structured_outputs", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "grammar",
-               "json_schema")
+# ---------------------------------------------------------------- structured output
+
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+TOOL_FIELDS = ("tools", "functions", "function_call")  # tool calling is not built yet: refused, never ignored
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs kinds
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _schema(value, name: str) -> str:
+    """A JSON schema given as an object or as JSON text, as the compact text the spec stores."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise HttpError(400, f"{name} is not valid JSON: {exc}", name) from None
+    if not isinstance(value, (dict, bool)):
+        raise HttpError(400, f"{name} must be a JSON schema (an object)", name)
+    return compact_json(value)
+
+
+def _grammar_kind(text: str) -> str:
+    """vLLM's ``grammar`` is GBNF or Lark, told apart by its syntax (as its llguidance backend does)."""
+    from llguidance.gbnf_to_lark import is_lark_syntax
+
+    return "lark" if is_lark_syntax(text) else "gbnf"
+
+
+def _one_kind(spec: dict, kind: str, name: str) -> Structured:
+    """A vLLM-style constraint (``structured_outputs``' kinds, the ``guided_*`` fields) as a ``Structured``."""
+    value = spec[kind]
+    if kind == "json":
+        return Structured("json_schema", _schema(value, name))
+    if kind == "json_object":
+        if value is not True:
+            raise HttpError(400, f"{name} must be true", name)
+        return Structured("json_object")
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise HttpError(400, f"{name} must be a non-empty array of strings", name)
+        return Structured("choice", compact_json(value))
+    if not isinstance(value, str) or not value:
+        raise HttpError(400, f"{name} must be a non-empty string", name)
+    return Structured("regex", value) if kind == "regex" else Structured(_grammar_kind(value), value)
+
+
+def _whitespace(s: Structured, pattern, compact, where: str) -> Structured:
+    if pattern is not None and not isinstance(pattern, str):
+        raise HttpError(400, f"{where}whitespace_pattern must be a string", f"{where}whitespace_pattern")
+    if compact is not None and not isinstance(compact, bool):
+        raise HttpError(400, f"{where}disable_any_whitespace must be a boolean", f"{where}disable_any_whitespace")
+    pattern = "" if compact else pattern
+    return replace(s, whitespace_pattern=pattern) if pattern is not None and s.kind in ("json_schema", "json_object") \
+        else s
+
+
+def _response_format(fmt: dict) -> Structured | None:
+    kind = fmt.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise HttpError(400, f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got "
+                        f"{json.dumps(kind)[:80]}", "response_format.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structured("json_object")
+    spec = body_field(fmt, "json_schema", (dict,))
+    if spec is None:
+        raise HttpError(400, "response_format.json_schema must be an object with the schema", "response_format.json_schema")
+    if "schema" not in spec or spec["schema"] is None:  # OpenAI's schema is optional: any JSON object then
+        return Structured("json_object")
+    return Structured("json_schema", _schema(spec["schema"], "response_format.json_schema.schema"))
+
+
+def structured_input(body: dict) -> tuple[Structured | None, str]:
+    """The request's constraint, from whichever field gave it (OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` and its older ``guided_*`` fields, llama.cpp's ``json_schema`` and ``grammar``), and
+    that field's name (errors about the spec name it). Two constraints at once are a 400."""
+    found: list[tuple[Structured, str]] = []
+    fmt = body_field(body, "response_format", (dict,))
+    if fmt is not None and (s := _response_format(fmt)) is not None:
+        found.append((s, "response_format.json_schema.schema" if s.kind == "json_schema" else "response_format"))
+    outputs = body_field(body, "structured_outputs", (dict,))
+    if outputs is not None:
+        kinds = [k for k in STRUCTURED_OUTPUTS if outputs.get(k) not in (None, False)]
+        if len(kinds) != 1:
+            raise HttpError(400, f"structured_outputs must have exactly one of {', '.join(STRUCTURED_OUTPUTS)}, got "
+                            f"{len(kinds)}", "structured_outputs")
+        s = _one_kind(outputs, kinds[0], f"structured_outputs.{kinds[0]}")
+        s = _whitespace(s, outputs.get("whitespace_pattern"), outputs.get("disable_any_whitespace"), "structured_outputs.")
+        found.append((s, f"structured_outputs.{kinds[0]}"))
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            s = _whitespace(_one_kind({kind: body[name]}, kind, name), body.get("guided_whitespace_pattern"), None, "guided_")
+            found.append((s, name))
+    if body.get("json_schema") is not None:  # llama.cpp's
+        found.append((Structured("json_schema", _schema(body["json_schema"], "json_schema")), "json_schema"))
+    if body.get("grammar") is not None:  # llama.cpp's: GBNF
+        grammar = body_field(body, "grammar", (str,))
+        found.append((Structured("gbnf", grammar), "grammar"))
+    if len(found) > 1:
+        raise HttpError(400, f"{found[1][1]}: only one constraint per request; {found[0][1]} already gives one",
+                        found[1][1])
+    return found[0] if found else (None, "structured")
 
 
 def refuse_unsupported(body: dict) -> None:
-    """A 400 naming the first structured-output or tool field that asks for something (null, an empty list
-    of tools and ``tool_choice: "none"`` ask for nothing)."""
-    for name in UNSUPPORTED:
+    """A 400 naming the first tool-calling field that asks for something (null, an empty list of tools and
+    ``tool_choice: "none"`` ask for nothing): this server has no tool calling yet."""
+    for name in TOOL_FIELDS:
         if body.get(name) not in (None, [], {}):
-            raise HttpError(400, f"{name} is not supported yet: this server cannot constrain its output", name)
+            raise HttpError(400, f"{name} is not supported yet: this server has no tool calling", name)
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         raise HttpError(400, f"tool_choice {json.dumps(choice)[:80]} is not supported yet: this server has no "
                         "tool calling", "tool_choice")
-    fmt = body_field(body, "response_format", (dict,))
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind not in RESPONSE_FORMATS:
-            raise HttpError(400, f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got "
-                            f"{json.dumps(kind)[:80]}", "response_format")
-        if kind != "text":
-            raise HttpError(400, f"response_format.type {kind!r} is not supported yet: this server cannot "
-                            "constrain its output", "response_format")
 
 
 def chat_messages(body: dict) -> list[dict]:

@@ -28,7 +28,7 @@ from conveyor.engines import Registry, Router, Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
-from conveyor.params import Limits, SamplingParams, StopParams, given_from_pb, sampling_defaults
+from conveyor.params import Limits, SamplingParams, StopParams, Structured, given_from_pb, sampling_defaults
 from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
@@ -58,7 +58,10 @@ def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
     inp = GenerateInput(
         request_id=pb.request_id, priority=pb.priority, cache_salt=pb.cache_salt if pb.HasField("cache_salt") else None,
         sampling=given_from_pb(pb.sampling, SamplingParams), stop=given_from_pb(pb.stop, StopParams),
+        structured=Structured.from_pb(pb.structured),
     )
+    if inp.structured is not None:
+        inp.structured_field = f"structured.{inp.structured.kind}"
     kind = pb.WhichOneof("input")
     if kind == "prompt":
         inp.prompt = pb.prompt
@@ -349,7 +352,7 @@ def serve(cfg: FrontendConfig) -> None:
     sinfo = engines.info()
     limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings,
                     max_prompt_tokens=cfg.max_prompt_tokens, max_stop_token_ids=cfg.max_stop_token_ids,
-                    max_logit_bias=cfg.max_logit_bias)
+                    max_logit_bias=cfg.max_logit_bias, max_grammar_bytes=cfg.max_grammar_bytes)
     detokenizer = DetokenizerClient(cfg.detokenizer)
     frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, engines.submit, engines.abort,
                         detokenizer.replay, engines.route, cfg.shared_prefix_cache)

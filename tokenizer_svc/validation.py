@@ -8,8 +8,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 
-from conveyor.params import (SEED_RANGE, Limits, RequestParams, SamplingDefaults, SamplingParams, StopParams, check,
-                             params_from)
+from conveyor.params import (SEED_RANGE, Limits, RequestParams, SamplingDefaults, SamplingParams, StopParams,
+                             Structured, check, params_from)
+from conveyor.structured import validate as validate_structured
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # a name only: Redis keys never contain it (conveyor.state)
@@ -30,6 +31,8 @@ class GenerateInput:
     stop: dict = field(default_factory=dict)
     priority: int = 0
     cache_salt: str | None = None  # vLLM's: only requests with the same salt (and API key) share cached prefixes
+    structured: Structured | None = None  # the output's constraint
+    structured_field: str = "structured"  # where the request gave it (an error names it there)
 
 
 MAX_CACHE_SALT = 256  # characters
@@ -85,6 +88,8 @@ def check_input(inp: GenerateInput, limits: Limits) -> None:
            f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {inp.priority}")
     check(inp.request_id == "" or bool(REQUEST_ID.match(inp.request_id)), "request_id",
            "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+    if inp.structured is not None:
+        validate_structured(inp.structured, limits, inp.structured_field)
 
 
 def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
@@ -108,4 +113,4 @@ def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
     model = {f.name: getattr(defaults, f.name) for f in fields(defaults) if f.name != "source"}
     sampling = params_from(SamplingParams, {**model, **inp.sampling})
     sampling.check(limits)
-    return RequestParams(sampling, stop, priority=inp.priority, cache_scope=scope)
+    return RequestParams(sampling, stop, priority=inp.priority, cache_scope=scope, structured=inp.structured)

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from conveyor.errors import InvalidArgument
-from conveyor.params import SamplingParams, StopParams
+from conveyor.params import SamplingParams, StopParams, Structured
 from worker_svc.attention import (PagedAttention, Rows, decode_rows, decode_size, padded_tables, paged_attention,
                                   prefill_rows)
 from worker_svc.graphs import DecodeGraphs, Graph
 from worker_svc.kv_cache import KVCache
 from worker_svc.model import AttentionMetadata, LlamaModel, PrefillChunk
+from conveyor.structured import Constraint, Constraints
 from worker_svc.sampling import Sampled, SampleRow, Scored, sample, score
 
 
@@ -52,6 +54,7 @@ class SeqChunk:
     decode_last: bool = False  # token_ids empty: compute the token sampled for it in the previous step
     cached_token_ids: list[int] = field(default_factory=list)  # registers: positions [0, start_pos) hold KV
     stop: StopParams = field(default_factory=StopParams)  # with sampling: every stop id, masked before min_tokens
+    structured: Structured | None = None  # with sampling: the output's constraint
 
     @property
     def registers(self) -> bool:
@@ -86,6 +89,7 @@ class SeqState:
     # (it scores that chunk's first token)
     pending_hidden: torch.Tensor | None = None
     stop: StopParams = field(default_factory=StopParams)
+    constraint: Constraint | None = None  # structured output: its matcher, fed the output tokens
 
 
 class ModelRunner:
@@ -94,14 +98,16 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int, seed: int | None = None,
                  fail_on_token: int = -1, threads: tuple[int, int] | None = None, attention: str = "auto",
                  compile_attention: bool | None = None, graphs: Callable[[], Graph] | None = None,
-                 max_graph_batch: int = 256):
+                 max_graph_batch: int = 256, constraints: Constraints | None = None):
         """``threads``: (CPU threads for a step, for a step of one token); None leaves PyTorch's setting.
         ``attention`` off the CPU kernels: "flex" (paged, in place) or "sdpa" (gathers each context); auto is
         flex on a GPU, SDPA on a CPU (flex unfused materializes scores over the whole cache).
         ``compile_attention``: fuse flex_attention with torch.compile (default: on a GPU). ``graphs``: makes
         the graphs decode steps of up to ``max_graph_batch`` sequences are captured in (flex attention only;
         ``CudaGraph.factory()`` on a GPU), None: every step eager; eager steps pad their block tables to as
-        many rows."""
+        many rows. ``constraints``: the matchers of structured output (None: a constrained sequence is refused)."""
+        self.constraints = constraints
+        self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar") if constraints else None
         self.fail_on_token = fail_on_token  # fault injection (--fail-on-token): -1 off
         self.threads = threads
         self.model = model
@@ -164,6 +170,9 @@ class ModelRunner:
                 raise InvalidStep(f"{where}: a chunk that registers a sequence must carry sampling parameters", c.seq_id)
             if c.num_prompt_tokens < 1:
                 raise InvalidStep(f"{where}: num_prompt_tokens must be >= 1", c.seq_id)
+            if c.structured is not None and self.constraints is None:
+                raise InvalidStep(f"{where}: constrained, but this runner has no constraints (structured output)",
+                                  c.seq_id)
             if len(c.cached_token_ids) != c.start_pos:
                 raise InvalidStep(f"{where}: start_pos {c.start_pos} but {len(c.cached_token_ids)} cached tokens",
                                   c.seq_id)
@@ -238,13 +247,16 @@ class ModelRunner:
 
     def _staged_state(self, c: SeqChunk) -> SeqState:
         if c.registers:
+            constraint = self.constraints.new(c.structured) if c.structured is not None else None
             return SeqState(c.sampling, c.num_prompt_tokens, c.cached_token_ids + c.token_ids, list(c.new_block_ids),
-                            stop=c.stop)
+                            stop=c.stop, constraint=constraint)
         old = self.seqs[c.seq_id]
-        return SeqState(old.params, old.num_prompt_tokens, old.tokens + c.token_ids, old.block_table + c.new_block_ids,
-                        pending_hidden=old.pending_hidden, stop=old.stop)
+        return replace(old, tokens=old.tokens + c.token_ids, block_table=old.block_table + c.new_block_ids,
+                       last_sampled=None)
 
     def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> list[StepResult]:
+        sampled = [c for c in order if c.sample]
+        masks = self._start_masks([staged[c.seq_id] for c in sampled])  # the grammar work overlaps the forward
         if self.graphs is not None and len(order) <= self.graphs.max_batch and all(len(c.token_ids) == 1 for c in order):
             hidden, last_rows = self._replay(order, staged), {c.seq_id: i for i, c in enumerate(order)}
         else:
@@ -252,19 +264,46 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.cache.layers(), meta)
         scored = {c.seq_id: self._score_prompt(c, staged[c.seq_id], hidden, last_rows[c.seq_id]) for c in order
                   if staged[c.seq_id].params.prompt_logprobs is not None}
-        sampled = [c for c in order if c.sample]
         results = []
         if sampled:
             rows = torch.tensor([last_rows[c.seq_id] for c in sampled], device=self.device)
             logits = self.model.logits(hidden[rows])
             sample_rows = []
-            for c in sampled:
+            errors, bitmask = masks.result() if masks is not None else ({}, None)
+            for i, c in enumerate(sampled):
                 s = staged[c.seq_id]
+                mask = bitmask[i] if s.constraint is not None and i not in errors else None
                 sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :],
-                                             s.stop))
-            results = [StepResult(c.seq_id, r, scored.pop(c.seq_id, None))
-                       for c, r in zip(sampled, sample(logits, sample_rows, self.generator))]
+                                             s.stop, mask))
+            drawn = sample(logits, sample_rows, self.generator)
+            for i, error in errors.items():
+                drawn[i].error = error
+            results = [StepResult(c.seq_id, r, scored.pop(c.seq_id, None)) for c, r in zip(sampled, drawn)]
         return results + [StepResult(seq_id, None, prompt) for seq_id, prompt in scored.items() if prompt is not None]
+
+    def _start_masks(self, states: list[SeqState]):
+        """On the grammar thread: feed each constrained sequence the output tokens its matcher has not seen,
+        then fill the masks of what may come next. A future of ({row: error}, bitmask rows), or None."""
+        if not any(s.constraint is not None for s in states):
+            return None
+
+        def work():
+            errors, rows = {}, []
+            for i, s in enumerate(states):
+                if s.constraint is not None:
+                    error = s.constraint.catch_up(s.tokens[s.num_prompt_tokens :])
+                    if error is not None:
+                        errors[i] = error
+                rows.append(s.constraint if s.constraint is not None and i not in errors else None)
+            live = [c for c in rows if c is not None]
+            words = self.constraints.masks(live) if live else None
+            bitmask, at = [None] * len(rows), 0
+            for i, c in enumerate(rows):
+                if c is not None:
+                    bitmask[i], at = words[at], at + 1
+            return errors, bitmask
+
+        return self.grammar_thread.submit(work)
 
     def _score_prompt(self, c: SeqChunk, s: SeqState, hidden: torch.Tensor, last_row: int
                       ) -> tuple[int, list[Scored]] | None:

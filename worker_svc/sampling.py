@@ -1,7 +1,8 @@
 """Turning one row of logits per sequence into one token per sequence.
 
 Order of operations (vLLM's, so users get the same behaviour for the same parameters):
-logit bias and ``min_tokens`` stop-token masking, then penalties, then greedy argmax or
+logit bias and ``min_tokens`` stop-token masking, then penalties, then a constraint's mask
+(structured output: the tokens its grammar does not allow next), then greedy argmax or
 temperature, min-p, top-k, top-p and a draw. Penalties, as vLLM documents them:
 
 - repetition: for tokens in the prompt or the output so far, ``l / r`` when ``l > 0`` else ``l * r``;
@@ -33,6 +34,7 @@ class SampleRow:
     prompt_ids: list[int]  # the original prompt
     output_ids: list[int]  # tokens generated so far (fed back to the model)
     stop: StopParams = field(default_factory=StopParams)  # stop_token_ids are masked before min_tokens
+    mask: torch.Tensor | None = None  # a constraint's allowed tokens, a bitmask (int32 words, 32 tokens each)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Sampled:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
+    error: str | None = None  # the row could not be sampled (its constraint allows no token): token_id is void
 
 
 @dataclass
@@ -148,16 +151,34 @@ def _masks_stop_ids(row: SampleRow) -> bool:
 
 
 def _edits_logits(row: SampleRow) -> bool:
-    return bool(row.params.logit_bias) or row.params.has_penalties or _masks_stop_ids(row)
+    return bool(row.params.logit_bias) or row.params.has_penalties or _masks_stop_ids(row) or row.mask is not None
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """In place: a constrained row's disallowed tokens to -inf. Returns the rows left with no token at all
+    (a dead end: the constraint and min_tokens or the vocabulary disagree)."""
+    masked = [i for i, row in enumerate(rows) if row.mask is not None]
+    if not masked:
+        return []
+    words = torch.stack([rows[i].mask for i in masked])
+    allowed = ((words.unsqueeze(-1) >> _BITS) & 1).bool().view(len(masked), -1)[:, : logits.shape[1]]
+    picked = logits[masked].masked_fill_(~allowed.to(logits.device), float("-inf"))
+    logits[masked] = picked
+    dead = torch.isinf(picked).all(dim=1).nonzero().flatten().tolist()
+    return [masked[j] for j in dead]
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None) -> list[Sampled]:
     """logits: (N, V) fp32, one row per entry of ``rows``. Returns one ``Sampled`` per row."""
-    raw = logits
+    raw, dead = logits, []
     if any(_edits_logits(row) for row in rows):
         logits = logits.clone()
         apply_bias_and_min_tokens(logits, rows)
         apply_penalties(logits, rows)
+        dead = apply_masks(logits, rows)
     tokens = torch.argmax(logits, dim=-1)  # the answer for greedy rows
     vocab, device = logits.shape[1], logits.device
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -172,7 +193,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
             if p.seed is not None:
                 q[j] = _seeded_exponential(vocab, rows[i], device)
         tokens[drawn] = torch.argmax(torch.softmax(scaled, dim=-1) / q, dim=-1)
-    return _to_host(raw, tokens, rows)
+    sampled = _to_host(raw, tokens, rows)
+    for i in dead:
+        sampled[i].error = "the constraint allows no token here" + (
+            " (min_tokens masks the end of sequence it allows)" if _masks_stop_ids(rows[i]) else "")
+    return sampled
 
 
 def _to_host(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:

@@ -17,7 +17,8 @@ import torch
 from conveyor import grpc_util
 from conveyor.errors import InvalidArgument
 from conveyor.metrics import Metrics
-from conveyor.params import Limits, SamplingParams, StopParams, from_pb
+from conveyor.params import Limits, SamplingParams, StopParams, Structured, from_pb
+from conveyor.structured import Constraints
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
 from conveyor.wire import FAILED_SEQ_METADATA
 from worker_svc.config import WorkerConfig
@@ -50,18 +51,21 @@ def step_from_pb(pb: worker_pb2.StepRequest, limits: Limits) -> StepInput:
     chunks = []
     for c in pb.chunks:
         sampling, stop = registration_from_pb(c, limits) if c.HasField("sampling") else (None, StopParams())
+        structured = Structured.from_pb(c.structured) if c.HasField("structured") else None
         chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
-                               sampling, c.num_prompt_tokens, c.decode_last, list(c.cached_token_ids), stop))
+                               sampling, c.num_prompt_tokens, c.decode_last, list(c.cached_token_ids), stop,
+                               structured))
     return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
 
 
-def _token_pb(seq_id: str, token_id: int, logprob: float, top: list[tuple[int, float]]) -> worker_pb2.SampledToken:
-    return worker_pb2.SampledToken(seq_id=seq_id, token_id=token_id, logprob=logprob,
+def _token_pb(seq_id: str, token_id: int, logprob: float, top: list[tuple[int, float]],
+              error: str | None = None) -> worker_pb2.SampledToken:
+    return worker_pb2.SampledToken(seq_id=seq_id, token_id=token_id, logprob=logprob, error=error or "",
                                    top_logprobs=[worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
 
 
 def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> worker_pb2.StepResponse:
-    tokens = [_token_pb(r.seq_id, r.sampled.token_id, r.sampled.logprob, r.sampled.top_logprobs)
+    tokens = [_token_pb(r.seq_id, r.sampled.token_id, r.sampled.logprob, r.sampled.top_logprobs, r.sampled.error)
               for r in results if r.sampled is not None]
     prompt = [worker_pb2.PromptLogprobs(seq_id=r.seq_id, first_position=r.prompt[0],
                                         tokens=[_token_pb("", s.token_id, s.logprob, s.top_logprobs) for s in r.prompt[1]],
@@ -184,7 +188,9 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     graphs = CudaGraph.factory() if device.type == "cuda" and cfg.cuda_graphs else None
     runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed, fail_on_token=cfg.fail_on_token,
                          threads=(threads, min(small, threads)), attention=cfg.attention, graphs=graphs,
-                         max_graph_batch=cfg.max_graph_batch)
+                         max_graph_batch=cfg.max_graph_batch,
+                         constraints=Constraints(loaded.tokenizer.tokenizer.to_str(), loaded.config.vocab_size,
+                                                 loaded.tokenizer.eos_token_ids))
     if runner.graphs is not None:
         with torch.inference_mode():
             runner.graphs.capture_all()

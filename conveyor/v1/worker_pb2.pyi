@@ -36,7 +36,7 @@ class InfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_bytes: _Optional[int] = ..., bos_token_id: _Optional[int] = ...) -> None: ...
 
 class SequenceChunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "new_block_ids", "sample", "sampling", "num_prompt_tokens", "decode_last", "cached_token_ids", "stop")
+    __slots__ = ("seq_id", "token_ids", "start_pos", "new_block_ids", "sample", "sampling", "num_prompt_tokens", "decode_last", "cached_token_ids", "stop", "structured")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SequenceChunk(_message.Message):
     DECODE_LAST_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -57,7 +58,8 @@ class SequenceChunk(_message.Message):
     decode_last: bool
     cached_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _conveyor_pb2.StopConditions
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_conveyor_pb2.SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., decode_last: _Optional[bool] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Union[_conveyor_pb2.StopConditions, _Mapping]] = ...) -> None: ...
+    structured: _conveyor_pb2.Structured
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_conveyor_pb2.SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., decode_last: _Optional[bool] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Union[_conveyor_pb2.StopConditions, _Mapping]] = ..., structured: _Optional[_Union[_conveyor_pb2.Structured, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "chunks", "free_seq_ids", "free_all")
@@ -80,16 +82,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    error: str
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "tokens", "compute_seconds", "prompt_logprobs")
