@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from conveyor.params import STRUCTURED_KINDS
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -102,6 +104,14 @@ SPECS = [
          buckets=LATENCY_BUCKETS),
     Spec("conveyor_worker_tokens_total", Counter, "Tokens the worker computed (prompt chunks and decodes).", "worker"),
     Spec("conveyor_worker_sequences", Gauge, "Sequences the worker holds state for.", "worker"),
+    Spec("conveyor_worker_constrained_sequences_total", Counter, "Sequences registered with a constraint "
+         "(structured output), by kind; a sequence registered again (preempted, recomputed) counts again.", "worker",
+         ("kind",), known=STRUCTURED_KINDS),
+    Spec("conveyor_worker_mask_seconds", Histogram, "A step's grammar work (feeding the matchers their new tokens, "
+         "filling the masks of what may come next), on its own thread while the forward runs.", "worker",
+         buckets=LATENCY_BUCKETS),
+    Spec("conveyor_worker_constraint_errors_total", Counter, "Sequences ended because their constraint allowed no "
+         "token or refused their output (the request ends with an error, alone).", "worker"),
     # detokenizer
     Spec("conveyor_detokenizer_push_seconds", Histogram, "Handling one step's tokens (decode, stop strings, "
          "delivery to frontends).", "detokenizer", buckets=LATENCY_BUCKETS),

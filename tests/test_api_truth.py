@@ -186,22 +186,17 @@ def test_without_max_tokens_an_answer_runs_to_the_end_of_the_context(client, mod
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"response_format": {"type": "sound"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"structured_outputs": {"json": {}}}, "structured_outputs"),
-    ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_regex": "a+"}, "guided_regex"),
-    ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"grammar": "root ::= \"a\""}, "grammar"),
-    ({"json_schema": {"type": "object"}}, "json_schema"),
+    ({"functions": [{"name": "f"}]}, "functions"),
 ])
-def test_structured_output_and_tool_fields_are_refused_not_ignored(base, body, param):
+def test_tool_fields_are_refused_not_ignored(base, body, param):
+    """Tool calling is not built yet: a request that asks for it gets a 400 naming the field, never free text
+    (structured output is, in tests/test_structured.py)."""
     for path, extra in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": PROMPT})):
         r = post(base, path, {**extra, "max_tokens": 2, **body})
         assert r.status_code == 400, (path, r.text)
-        assert r.json()["error"]["param"] == param and "not supported" in r.json()["error"]["message"] or \
-            "must be one of" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == param and "not supported" in r.json()["error"]["message"]
 
 
 def test_plain_text_response_format_and_no_tools_still_work(client, model):

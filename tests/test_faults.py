@@ -64,10 +64,11 @@ def _take(received: Received, delta) -> None:
         received.finish_reason = delta.finish_reason
 
 
-def run_load(endpoint: str, tag: str, fault=None, resume_at: str | None = None) -> list[Received]:
-    """32 streams at once; ``fault()`` runs once a quarter of the expected tokens has arrived. With
-    ``resume_at``, a stream that breaks is resumed there from what it has."""
-    results = [Received() for _ in PROMPTS]
+def run_load(endpoint: str, tag: str, fault=None, resume_at: str | None = None, prompts: list[str] = PROMPTS,
+             **options) -> list[Received]:
+    """A stream per prompt, all at once; ``fault()`` runs once a quarter of the expected tokens has arrived.
+    With ``resume_at``, a stream that breaks is resumed there from what it has. ``options``: the streams'."""
+    results = [Received() for _ in prompts]
     arrived = [0]
     lock = threading.Lock()
     fired = threading.Event()
@@ -75,7 +76,7 @@ def run_load(endpoint: str, tag: str, fault=None, resume_at: str | None = None) 
     def tick(n: int) -> None:
         with lock:
             arrived[0] += n
-            due = fault is not None and not fired.is_set() and arrived[0] >= len(PROMPTS) * MAX_TOKENS // 4
+            due = fault is not None and not fired.is_set() and arrived[0] >= len(prompts) * MAX_TOKENS // 4
             if due:
                 fired.set()
         if due:
@@ -84,8 +85,8 @@ def run_load(endpoint: str, tag: str, fault=None, resume_at: str | None = None) 
     def one(i: int) -> None:
         got = results[i]
         with Client(endpoint, timeout=HUNG_AFTER) as client:
-            stream = client.stream(messages=[{"role": "user", "content": PROMPTS[i]}], temperature=0,
-                                   max_tokens=MAX_TOKENS, request_id=f"{tag}-{i}")
+            stream = client.stream(messages=[{"role": "user", "content": prompts[i]}], temperature=0,
+                                   max_tokens=MAX_TOKENS, request_id=f"{tag}-{i}", **options)
             try:
                 for delta in stream:
                     _take(got, delta)
@@ -103,8 +104,8 @@ def run_load(endpoint: str, tag: str, fault=None, resume_at: str | None = None) 
             except ConveyorError as exc:
                 got.error = f"{type(exc).__name__} after resuming: {exc}"
 
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        list(pool.map(one, range(len(PROMPTS))))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(one, range(len(prompts))))
     if fault is not None:
         assert fired.is_set(), "the fault never fired"
     return results
@@ -130,7 +131,7 @@ def recovery_counters(stack) -> str:
             f"stalled streams {_counter(stack, 'frontend', 'conveyor_stalled_streams_total'):.0f}")
 
 
-def check(name: str, results: list[Received], reference: list[Received]) -> None:
+def check(name: str, results: list[Received], reference: list[Received], prompts: list[str] = PROMPTS) -> None:
     completed = sum(1 for r in results if r.finish_reason and r.error is None)
     lost = len(results) - completed
     duplicated = sum(r.duplicated for r in results)
@@ -143,7 +144,7 @@ def check(name: str, results: list[Received], reference: list[Received]) -> None
     errors = [r.error for r in results if r.error]
     assert lost == 0, errors[:3]
     assert duplicated == 0 and missing == 0
-    assert not differ, [(PROMPTS[i], results[i].text, reference[i].text) for i in differ[:2]]
+    assert not differ, [(prompts[i], results[i].text, reference[i].text) for i in differ[:2]]
 
 
 def _health(address: str, tls_dir: str | None = None) -> int:
@@ -286,4 +287,37 @@ def test_a_cancel_while_the_scheduler_is_down_still_aborts_the_request(stack):
             assert time.monotonic() - killed < 25, "not aborted before the orphan timeout"
             time.sleep(0.2)
     assert record.finish_reason == "abort" and len(record.output_ids) < 2000
+    _wait_all_serving(stack)
+
+
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                           "words": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                     "maxItems": 4}},
+          "required": ["title", "words"], "additionalProperties": False}
+JSON_PROMPTS = [f"{p} Answer in JSON." for p in PROMPTS[:16]]
+
+
+def test_worker_then_scheduler_killed_under_constrained_streams(stack):
+    """16 streams held to a JSON schema; the worker is killed, then (once it serves again) the scheduler.
+    Each sequence's matcher is rebuilt by replaying its output on registration, so every client gets the
+    undisturbed text exactly, and what finished with "stop" validates."""
+    import json
+
+    import jsonschema
+
+    structured = {"json_schema": SCHEMA}
+    reference = run_load(stack.endpoint, "json-undisturbed", prompts=JSON_PROMPTS, structured=structured)
+    assert all(r.error is None and r.finish_reason for r in reference)
+
+    def faults() -> None:
+        _kill(stack, "worker", {})
+        wait_child(stack, stack.child("worker"))
+        _kill(stack, "scheduler", {})
+
+    results = run_load(stack.endpoint, "json-faults", faults, prompts=JSON_PROMPTS, structured=structured)
+    check("worker then scheduler, constrained", results, reference, JSON_PROMPTS)
+    stopped = [r for r in results if r.finish_reason == "stop"]
+    for r in stopped:
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+    assert stopped, [r.text for r in results][:2]
     _wait_all_serving(stack)

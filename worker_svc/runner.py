@@ -14,6 +14,7 @@ state of every other sequence stay as they were.
 from __future__ import annotations
 
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -107,6 +108,7 @@ class ModelRunner:
         ``CudaGraph.factory()`` on a GPU), None: every step eager; eager steps pad their block tables to as
         many rows. ``constraints``: the matchers of structured output (None: a constrained sequence is refused)."""
         self.constraints = constraints
+        self.mask_seconds: float | None = None  # the last step's grammar work (None: no constrained sequence)
         self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar") if constraints else None
         self.fail_on_token = fail_on_token  # fault injection (--fail-on-token): -1 off
         self.threads = threads
@@ -284,10 +286,12 @@ class ModelRunner:
     def _start_masks(self, states: list[SeqState]):
         """On the grammar thread: feed each constrained sequence the output tokens its matcher has not seen,
         then fill the masks of what may come next. A future of ({row: error}, bitmask rows), or None."""
+        self.mask_seconds = None
         if not any(s.constraint is not None for s in states):
             return None
 
         def work():
+            start = time.perf_counter()
             errors, rows = {}, []
             for i, s in enumerate(states):
                 if s.constraint is not None:
@@ -301,6 +305,7 @@ class ModelRunner:
             for i, c in enumerate(rows):
                 if c is not None:
                     bitmask[i], at = words[at], at + 1
+            self.mask_seconds = time.perf_counter() - start
             return errors, bitmask
 
         return self.grammar_thread.submit(work)

@@ -146,6 +146,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.metrics.worker_forward_seconds.observe(seconds)
         self.metrics.worker_tokens.inc(sum(len(c.token_ids) or 1 for c in step.chunks))
         self.metrics.worker_sequences.set(len(self.runner.seqs))
+        for c in step.chunks:
+            if c.structured is not None and c.registers:
+                self.metrics.worker_constrained_sequences.labels(c.structured.kind).inc()
+        if self.runner.mask_seconds is not None:
+            self.metrics.worker_mask_seconds.observe(self.runner.mask_seconds)
+        self.metrics.worker_constraint_errors.inc(sum(r.sampled is not None and r.sampled.error is not None
+                                                      for r in results))
         return results_to_pb(step_id, results, seconds)
 
 
