@@ -44,6 +44,22 @@ GGUF_KEYS = {"temperature": "general.sampling.temp", "top_k": "general.sampling.
              "repetition_penalty": "general.sampling.penalty_repeat"}
 
 
+def _gguf_sampling(path) -> dict:
+    """A GGUF's ``general.sampling.*`` values, through the model-file cache: parsing a GGUF's metadata takes
+    seconds (the tokenizer's arrays), and every frontend start would pay it."""
+    from conveyor.cache import cache_dir_for, write_atomic
+
+    cached = cache_dir_for(path) / "sampling_defaults.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    from conveyor.gguf_file import GGUFFile
+
+    meta = GGUFFile(path)
+    found = {name: value for name, key in GGUF_KEYS.items() if (value := meta.get(key)) is not None}
+    write_atomic(cached, lambda tmp: tmp.write_text(json.dumps(found)))
+    return found
+
+
 def sampling_defaults(model) -> SamplingDefaults:
     """The defaults of ``--model``: its ``generation_config.json`` (a Hugging Face folder) or its GGUF
     ``general.sampling.*`` metadata, field by field over Conveyor's own."""
@@ -60,10 +76,7 @@ def sampling_defaults(model) -> SamplingDefaults:
             found = {name: config[key] for name, key in HF_KEYS.items() if isinstance(config.get(key), (int, float))}
             where = str(path.name)
     else:
-        from conveyor.gguf_file import GGUFFile
-
-        meta = GGUFFile(source.path)
-        found = {name: value for name, key in GGUF_KEYS.items() if (value := meta.get(key)) is not None}
+        found = _gguf_sampling(source.path)
         where = "the GGUF's general.sampling metadata"
     if not found:
         return SamplingDefaults()

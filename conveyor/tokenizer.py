@@ -129,12 +129,25 @@ class ModelTokenizer:
             return bytes(BYTE_LEVEL[c] for c in piece)
         return self.decode([token_id]).encode()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's own template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's own template; ``tools``: the
+        function definitions, for a template that takes them (``supports_tools``)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a prompt instead of messages")
         template = _jinja_env().from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        extra = {"tools": tools} if tools else {}
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens,
+                               **extra)
+
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template reads a ``tools`` variable (it describes the tools itself)."""
+        from jinja2 import meta
+
+        if not self.chat_template:
+            return False
+        return "tools" in meta.find_undeclared_variables(_jinja_env().parse(self.chat_template))
 
 
 def _raise_exception(message: str):

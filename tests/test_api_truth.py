@@ -185,27 +185,20 @@ def test_without_max_tokens_an_answer_runs_to_the_end_of_the_context(client, mod
     assert r.usage.completion_tokens == MAX_MODEL_LEN - r.usage.prompt_tokens > 256  # not the old 256 cut
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-])
-def test_tool_fields_are_refused_not_ignored(base, body, param):
-    """Tool calling is not built yet: a request that asks for it gets a 400 naming the field, never free text
-    (structured output is, in tests/test_structured.py)."""
-    for path, extra in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": PROMPT})):
-        r = post(base, path, {**extra, "max_tokens": 2, **body})
-        assert r.status_code == 400, (path, r.text)
-        assert r.json()["error"]["param"] == param and "not supported" in r.json()["error"]["message"]
+def test_tool_fields_are_refused_where_they_cannot_be_honoured_not_ignored(base):
+    """Tools belong to chat: on /v1/completions they are a 400, as OpenAI's deprecated functions are anywhere
+    (tool calling itself: tests/test_structured.py and tests/test_tools.py)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "functions": [{"name": "f"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "functions", r.text
 
 
 def test_plain_text_response_format_and_no_tools_still_work(client, model):
     r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, response_format={"type": "text"},
                                        tool_choice="none")
     assert r.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
-        client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, tools=[
-            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
 
 
 def test_usage_tells_the_prompt_tokens_the_prefix_cache_held(client, model):

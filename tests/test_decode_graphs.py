@@ -17,6 +17,7 @@ from worker_svc.attention import decode_size
 from worker_svc.graphs import DecodeGraphs
 
 FLEX = {"attention": "flex", "compile_attention": False}  # the graph logic under test, not the compiler (test_runner compiles)
+STEPS = 6  # tokens per sequence: the first step prefills, every one after replays the graph
 
 
 class ReplayOnCpu:
@@ -70,19 +71,19 @@ def prompts(default_model):
 def eager(dense_model, prompts):
     """The same steps with no graph: tokens and log-probabilities, and the cache they leave."""
     runner = make_runner(dense_model, num_blocks=64, **FLEX)
-    return _decoding(runner, prompts[:3], 12), runner.cache
+    return _decoding(runner, prompts[:3], STEPS), runner.cache
 
 
 def test_replayed_decodes_equal_the_eager_steps(dense_model, prompts, eager, captured):
     """Three sequences decode in the graph of 4 (one padding row): every step replays the one graph with new
     ids, positions, slots and tables, and the tokens and cache contents are the eager steps'."""
     runner = make_runner(dense_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=8, **FLEX)
-    tokens, logprobs = _decoding(runner, prompts[:3], 12)
+    tokens, logprobs = _decoding(runner, prompts[:3], STEPS)
     (want_tokens, want_logprobs), want_cache = eager
     assert tokens == want_tokens
     for got, want in zip(logprobs, want_logprobs):
         assert got == pytest.approx(want, abs=1e-4)  # 4 rows multiply in another order than 3
-    assert captured == [4]  # captured once, replayed for the 11 decode steps
+    assert captured == [4]  # captured once, replayed for every decode step after it
     for layer in range(len(want_cache.k)):  # padding wrote its K/V to the scratch block only
         torch.testing.assert_close(runner.cache.k[layer][:64], want_cache.k[layer][:64], atol=1e-4, rtol=0)
         torch.testing.assert_close(runner.cache.v[layer][:64], want_cache.v[layer][:64], atol=1e-4, rtol=0)
@@ -124,6 +125,6 @@ def test_capturing_every_size_up_front_writes_only_the_scratch_block(dense_model
         runner.graphs.capture_all()
     assert captured == [8, 4, 2, 1]
     assert all(not t[:64].any() for t in runner.cache.k + runner.cache.v)
-    tokens, _ = _decoding(runner, prompts[:3], 12)
+    tokens, _ = _decoding(runner, prompts[:3], STEPS)
     assert tokens == eager[0][0]
     assert captured == [8, 4, 2, 1]

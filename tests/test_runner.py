@@ -75,6 +75,9 @@ def test_pytorch_path_generates_the_same_tokens(dense_model, prompts, alone):
 
 
 FLEX = {"attention": "flex", "compile_attention": True}  # the GPU's attention, fused by the CPU's compiler
+# The same paged flex attention unfused: the masks, tables and scratch handling above are one code path, and
+# the compiled one costs ~30 s of compiling per test on 2 cores (the first test keeps it)
+FLEX_EAGER = {"attention": "flex", "compile_attention": False}
 
 
 def test_flex_path_generates_the_same_tokens(dense_model, prompts, alone):
@@ -99,7 +102,7 @@ def test_flex_path_is_immune_to_nan_in_memory_never_written(dense_model, prompts
     cache = KVCache.allocate(dense_model.config, 16, 64, "cpu", torch.float32)
     for t in cache.k + cache.v:
         t.fill_(float("nan"))
-    runner = ModelRunner(dense_model.model, cache, dense_model.max_model_len, seed=0, **FLEX)
+    runner = ModelRunner(dense_model.model, cache, dense_model.max_model_len, seed=0, **FLEX_EAGER)
     tokens, _ = TinyScheduler(runner).run(prompts[:2], 8, together=True)
     assert tokens == [t[:8] for t in alone[0][:2]]
 
@@ -112,11 +115,11 @@ def test_flex_path_reads_blocks_shared_by_a_cached_prefix(dense_model, prompts):
     others = [base[:32] + prompts[1][:9], base[:32] + prompts[2][:10]]
 
     def alone_tokens(prompt):
-        runner = make_runner(dense_model, num_blocks=8, **FLEX)
+        runner = make_runner(dense_model, num_blocks=8, **FLEX_EAGER)
         first = _start(runner, "x", prompt, list(range(-(-len(prompt) // 16))))
         return [first, *_continue(runner, "x", first, len(prompt), 4)]
 
-    runner = make_runner(dense_model, num_blocks=16, **FLEX)
+    runner = make_runner(dense_model, num_blocks=16, **FLEX_EAGER)
     shared = [9, 4]  # base's first blocks, full: positions 0..31
     out = {"base": [_start(runner, "base", base, shared + [12])]}
     chunks = [SeqChunk(f"s{i}", p[32:], 32, shared + [13 + i], True, greedy, len(p), cached_token_ids=p[:32])

@@ -334,3 +334,131 @@ def test_openai_refuses_a_length_cut_parse_as_users_expect(client, model):
     with pytest.raises(openai.LengthFinishReasonError):
         client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Invent a person."}],
                                       response_format=Person, max_tokens=3, temperature=0)
+
+
+# ---------------------------------------------------------------- tool calls, forced, through the stack
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CONVERT = {"type": "function", "function": {
+    "name": "convert", "description": "Convert an amount between currencies.",
+    "parameters": {"type": "object", "properties": {"amount": {"type": "number"},
+                                                    "to": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+                   "required": ["amount", "to"], "additionalProperties": False}}}
+TOOLS = {t["function"]["name"]: t for t in (WEATHER, CONVERT)}
+ASKS = ["What is the weather in Paris?", "Convert 20 dollars to euros.", "Is it cold in Oslo?",
+        "How much is 5 GBP in JPY?", "Weather in Tokyo, please.", "Change 100 EUR to USD."]
+FORCED = int(os.environ.get("CONVEYOR_TEST_FORCED_CALLS", "16"))  # 100 by hand, as the issue asks
+
+
+def _valid_call(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
+
+
+def test_forced_tool_calls_validate_against_their_tools_schema(client, model):
+    """`required` and a named function, over several asks and temperatures: every call parses and validates,
+    and finish_reason says tool_calls."""
+    rng = random.Random(7)
+    jobs = []
+    for i in range(FORCED):
+        choice = "required" if i % 2 else {"type": "function", "function": {"name": rng.choice(list(TOOLS))}}
+        jobs.append((rng.choice(ASKS), choice, rng.choice([0.0, 0.7, 1.0]), rng.randrange(2**31)))
+
+    def one(job):
+        ask, choice, temperature, seed = job
+        return choice, client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": ask}], tools=[WEATHER, CONVERT], tool_choice=choice,
+            max_tokens=96, temperature=temperature, seed=seed).choices[0]
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(one, jobs))
+    calls = 0
+    for choice, answer in answers:
+        assert answer.finish_reason in ("tool_calls", "length"), answer
+        if answer.finish_reason == "length":
+            continue
+        assert answer.message.tool_calls
+        for call in answer.message.tool_calls:
+            _valid_call(call)
+            if isinstance(choice, dict):
+                assert call.function.name == choice["function"]["name"]
+        calls += 1
+    print(f"\nTOOLS {len(answers)} forced requests: {calls} with valid calls, {len(answers) - calls} cut by max_tokens")
+    assert calls >= len(answers) * 3 // 4
+
+
+def test_a_streamed_tool_call_equals_the_whole_one(client, model):
+    """Greedy: the stream's deltas (id and type once per index, arguments concatenating to the JSON) give the
+    same calls as the non-streamed answer, with the same ids (they come from the request)."""
+    ask = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
+    options = dict(model=model, messages=ask, tools=[WEATHER, CONVERT], tool_choice="required", max_tokens=120,
+                   temperature=0)
+    whole = client.chat.completions.create(**options).choices[0]
+    parts: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**options, stream=True):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                part = parts.setdefault(d.index, {"id": None, "name": "", "arguments": "", "types": 0})
+                if d.id:
+                    assert part["id"] is None
+                    part["id"] = d.id
+                part["types"] += d.type is not None
+                part["name"] += d.function.name or ""
+                part["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert whole.finish_reason == finish == "tool_calls"
+    assert [(p["name"], json.loads(p["arguments"])) for p in parts.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert all(p["types"] == 1 and p["id"].startswith("call_") for p in parts.values())
+
+
+def test_a_conversation_with_a_call_and_its_result_goes_on(client, model):
+    first = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0).choices[0].message
+    assert len(first.tool_calls) == 1
+    call = first.tool_calls[0]
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    r = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], max_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="only one constraint"):
+        client.chat.completions.create(model=model, messages=history, tools=[WEATHER], tool_choice="required",
+                                       response_format={"type": "json_object"}, max_tokens=4)
+
+
+# ---------------------------------------------------------------- LangChain and litellm, as agents use them
+
+
+def test_langchains_structured_output_methods_and_bind_tools_return_objects(base, model):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=base + "/v1", api_key="none", model=model, temperature=0, max_tokens=80,
+                     max_retries=0, timeout=120)
+    ask = "Invent a person."
+    for method in ("json_schema", "function_calling"):
+        person = llm.with_structured_output(Person, method=method).invoke(ask)
+        assert isinstance(person, Person), method
+    as_json = llm.with_structured_output(Person.model_json_schema(), method="json_mode").invoke(
+        "Invent a person and answer in JSON with a name and an age.")
+    assert isinstance(as_json, dict)
+    message = llm.bind_tools([WEATHER], tool_choice="any").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])
+
+
+def test_litellms_json_mode_parses(base, model):
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm's price table from its wheel, offline
+    import litellm
+
+    r = litellm.completion(model=f"openai/{model}", api_base=base + "/v1", api_key="none", max_tokens=120,
+                           temperature=0, response_format={"type": "json_object"},
+                           messages=[{"role": "user", "content": "Return JSON with the keys city and country for Paris."}])
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)

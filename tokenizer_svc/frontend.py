@@ -141,7 +141,7 @@ class Frontend:
         if inp.messages is not None:
             if not self.tokenizer.chat_template:
                 raise InvalidArgument("this model has no chat template; send a prompt instead", field="chat")
-            text = self.tokenizer.apply_chat_template(inp.messages, inp.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(inp.messages, inp.add_generation_prompt, inp.tools)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         if inp.prompt_ids is not None:
             return self.tokenizer.decode(inp.prompt_ids), list(inp.prompt_ids)

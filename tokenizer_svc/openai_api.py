@@ -32,9 +32,10 @@ from conveyor.metrics import Metrics
 from conveyor.params import SEED_RANGE
 from tokenizer_svc.frontend import ClientStream, Frontend
 from tokenizer_svc.openai_bodies import (MAX_N, HttpError, body_field, chat_messages, error_response, from_conveyor,
-                                         int_list, prompts_of, refuse_unsupported, sampling_input, structured_input)
+                                         int_list, prompts_of, sampling_input, structured_input)
 from tokenizer_svc.openai_reply import Reply
 from tokenizer_svc.streaming import Blocking
+from tokenizer_svc.tools import Tools, chat_with_tools, tools_input
 from tokenizer_svc.validation import GenerateInput
 
 log = logging.getLogger("conveyor.frontend")
@@ -228,6 +229,17 @@ class OpenAIApi:
             return JSONResponse({"prompt": await self.io.run(self.frontend.tokenizer.decode, tokens)})
         return await self._handle("/detokenize", request, work)
 
+    def _tools(self, body: dict, common: GenerateInput) -> Tools | None:
+        """The request's tools; a forced choice becomes the request's constraint (one per request)."""
+        tools = tools_input(body, self.frontend.tokenizer.chat_template)
+        if tools is None or not tools.forced:
+            return tools
+        if common.structured is not None:
+            raise HttpError(400, f"tool_choice {tools.choice!r} forces a tool call, and {common.structured_field} "
+                            "constrains the output too: only one constraint per request", "tool_choice")
+        common.structured, common.structured_field = tools.constraint(), "tools"
+        return tools
+
     async def _generate(self, request: Request, owner: str, chat: bool) -> Response:
         body = await self._body(request)
         n = body_field(body, "n", (int,), 1)
@@ -239,10 +251,16 @@ class OpenAIApi:
             raise HttpError(400, "stream_options is only allowed when stream is true", "stream_options")
         include_usage = stream and bool(body_field(options or {}, "include_usage", (bool,), False))
         echo = not chat and body_field(body, "echo", (bool,), False)
-        refuse_unsupported(body)
         common = sampling_input(body, chat)
         common.structured, common.structured_field = structured_input(body)
         messages = chat_messages(body) if chat else None
+        tools = self._tools(body, common) if chat else None
+        if chat:
+            native = self.frontend.tokenizer.supports_tools
+            messages = chat_with_tools(messages, tools, native)
+            common.tools = tools.template_tools() if tools is not None and native else None
+        elif body.get("tools") not in (None, []):
+            raise HttpError(400, "tools are for /v1/chat/completions", "tools")
         prompts = [None] if chat else prompts_of(body)
         if len(prompts) * n > MAX_N:  # counted before anything is expanded, decoded or tokenized
             raise HttpError(400, f"prompts x n must be at most {MAX_N}, got {len(prompts) * n}", "n")
@@ -264,7 +282,7 @@ class OpenAIApi:
             echoed = [(i.prompt if i.prompt is not None else self.frontend.tokenizer.decode(i.prompt_ids)) if echo
                       else "" for i in inputs]
             reply = Reply(self, opened, chat, include_usage, echoed, common.sampling.get("logprobs") is not None, n,
-                          body_field(body, "prompt_logprobs", (int,)) is not None)
+                          body_field(body, "prompt_logprobs", (int,)) is not None, tools)
             if stream:
                 return StreamingResponse(reply.events(owner), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})

@@ -153,7 +153,6 @@ def _seed(body: dict) -> int | None:
 # ---------------------------------------------------------------- structured output
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-TOOL_FIELDS = ("tools", "functions", "function_call")  # tool calling is not built yet: refused, never ignored
 STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs kinds
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -254,19 +253,10 @@ def structured_input(body: dict) -> tuple[Structured | None, str]:
     return found[0] if found else (None, "structured")
 
 
-def refuse_unsupported(body: dict) -> None:
-    """A 400 naming the first tool-calling field that asks for something (null, an empty list of tools and
-    ``tool_choice: "none"`` ask for nothing): this server has no tool calling yet."""
-    for name in TOOL_FIELDS:
-        if body.get(name) not in (None, [], {}):
-            raise HttpError(400, f"{name} is not supported yet: this server has no tool calling", name)
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise HttpError(400, f"tool_choice {json.dumps(choice)[:80]} is not supported yet: this server has no "
-                        "tool calling", "tool_choice")
-
-
 def chat_messages(body: dict) -> list[dict]:
+    """``messages`` as the chat template takes them: text content (content parts joined), an assistant's
+    ``tool_calls`` (each ``{"id", "type": "function", "function": {"name", "arguments"}}``) and a tool message's
+    ``tool_call_id`` kept."""
     messages = body_field(body, "messages", (list,))
     if not messages:
         raise HttpError(400, "messages must be a non-empty array", "messages")
@@ -283,8 +273,28 @@ def chat_messages(body: dict) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise HttpError(400, f"messages[{i}].content must be a string or an array of text parts", "messages")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise HttpError(400, f"messages[{i}].tool_call_id must be the id of the call this answers",
+                                f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), (str, dict))
+        for c in calls)
+    if not ok:
+        raise HttpError(400, f'{where} must be an array of {{"id", "type": "function", "function": {{"name", '
+                        '"arguments"}}}}', where)
+    return [{"id": c["id"], "type": "function", "function": {"name": c["function"]["name"],
+                                                             "arguments": c["function"]["arguments"]}} for c in calls]
 
 
 def _ids(value) -> bool:

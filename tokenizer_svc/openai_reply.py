@@ -18,6 +18,7 @@ from conveyor.errors import ConveyorError
 from tokenizer_svc.frontend import ClientDelta, ClientStream
 from tokenizer_svc.openai_bodies import HttpError, error_body, from_conveyor
 from tokenizer_svc.streaming import RequestTimer, follow
+from tokenizer_svc.tools import HeldText, Tools, openai_calls, parse_calls
 
 if TYPE_CHECKING:
     from tokenizer_svc.openai_api import OpenAIApi
@@ -30,8 +31,10 @@ class Reply:
     """One response: its choices (one stream each, index order), as SSE events or as one JSON body."""
 
     def __init__(self, api: OpenAIApi, streams: list[ClientStream], chat: bool, include_usage: bool,
-                 echoed: list[str], logprobs: bool, n: int = 1, vllm_prompt_logprobs: bool = False):
+                 echoed: list[str], logprobs: bool, n: int = 1, vllm_prompt_logprobs: bool = False,
+                 tools: Tools | None = None):
         self.api = api
+        self.tools = tools  # chat with tools: answers are parsed into tool_calls
         self.streams = streams
         self.logprobs = logprobs  # the request asked for them
         self.vllm_prompt_logprobs = vllm_prompt_logprobs  # vLLM's prompt_logprobs field: returned in its shape
@@ -147,6 +150,7 @@ class Reply:
                     yield self._chunk([self._role(index)])
             first = [True] * len(self.streams)
             written = [0] * len(self.streams)  # characters of each choice's text sent
+            held = [HeldText(self.tools) if self.tools else None for _ in self.streams]
             done = 0
             while done < len(self.streams):
                 index, item = await queue.get()
@@ -160,6 +164,10 @@ class Reply:
                     continue
                 completion[index] += len(item.token_ids)
                 finish = FINISH.get(item.finish_reason) if item.finish_reason else None
+                if held[index] is not None:
+                    for choice in self._tool_chunks(index, item, held[index], finish):
+                        yield self._chunk([choice])
+                    continue
                 if item.text or finish or first[index] or item.token_ids:
                     text = self.echoed[index] + item.text if first[index] else item.text
                     logprobs = self._logprobs(item, written[index] + len(text) - len(item.text), index)
@@ -176,6 +184,35 @@ class Reply:
             for task in tasks:
                 task.cancel()
             self.api.auth.close_stream(owner, len(self.streams))
+
+    def _tool_chunks(self, index: int, item: ClientDelta, held: HeldText, finish: str | None) -> list[dict]:
+        """A delta of a chat with tools: the content that can go now (a possible call is held back), and at
+        the end the calls (each whole: id, type, name and arguments in one delta), then the finish."""
+        text = held.feed(item.text)
+        calls: list[dict] = []
+        if finish:
+            rest, calls = held.finish()
+            text += rest or ""
+        logprobs = self._logprobs(item, 0, index)
+        out = [self._choice(index, text, None, logprobs)] if text or logprobs else []
+        if calls:
+            out.append({"index": index, "delta": {"tool_calls": [
+                {"index": k, **call} for k, call in enumerate(openai_calls(calls, self.streams[index].request_id))]},
+                "logprobs": None, "finish_reason": None})
+        if finish:
+            out.append({"index": index, "delta": {}, "logprobs": None,
+                        "finish_reason": "tool_calls" if calls else finish})
+        return out
+
+    def _message(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A whole chat answer as OpenAI's message, its tool calls parsed when the request has tools."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = parse_calls(text, self.tools)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return ({"role": "assistant", "content": content,
+                 "tool_calls": openai_calls(calls, self.streams[index].request_id)}, "tool_calls")
 
     async def whole(self, request: Request) -> dict:
         """The full response; a client that disconnects meanwhile aborts every choice."""
@@ -215,8 +252,10 @@ class Reply:
                 task.cancel()
             gathered.cancel()
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
-                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
+            choices = []
+            for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs)):
+                message, f = self._message(i, t, f)
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": f})
         else:
             choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
                        for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]

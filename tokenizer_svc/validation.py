@@ -33,6 +33,7 @@ class GenerateInput:
     cache_salt: str | None = None  # vLLM's: only requests with the same salt (and API key) share cached prefixes
     structured: Structured | None = None  # the output's constraint
     structured_field: str = "structured"  # where the request gave it (an error names it there)
+    tools: list[dict] | None = None  # function definitions for a chat template that takes them (tools=)
 
 
 MAX_CACHE_SALT = 256  # characters
