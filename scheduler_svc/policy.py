@@ -380,7 +380,8 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None,
                scored: dict[str, tuple[int, list]] | None = None, failed: dict[str, str] | None = None) -> list[Output]:
         """Apply a step's results: ``sampled`` maps request id -> (token id, logprobs or None); ``scored``: the
-        prompt tokens scored (``Answer.scored``), kept until they are written with the first token.
+        prompt tokens scored (``Answer.scored``), kept until they are written with the first token; ``failed``:
+        the requests the worker could not sample (``Answer.failed``), ended with their error.
 
         Requests aborted or finished while the step ran are skipped (their results are dropped)."""
         now = time.time() if now is None else now

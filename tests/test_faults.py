@@ -309,12 +309,21 @@ def test_worker_then_scheduler_killed_under_constrained_streams(stack):
     reference = run_load(stack.endpoint, "json-undisturbed", prompts=JSON_PROMPTS, structured=structured)
     assert all(r.error is None and r.finish_reason for r in reference)
 
+    fired = []
+
     def faults() -> None:
+        worker = stack.child("worker")
+        killed = worker.process
         _kill(stack, "worker", {})
-        wait_child(stack, stack.child("worker"))
+        deadline = time.monotonic() + 60
+        while worker.process is killed and time.monotonic() < deadline:  # the supervisor starts another
+            time.sleep(0.05)
+        wait_child(stack, worker)
         _kill(stack, "scheduler", {})
+        fired.append("scheduler")
 
     results = run_load(stack.endpoint, "json-faults", faults, prompts=JSON_PROMPTS, structured=structured)
+    assert fired == ["scheduler"]  # both faults happened while the streams ran
     check("worker then scheduler, constrained", results, reference, JSON_PROMPTS)
     stopped = [r for r in results if r.finish_reason == "stop"]
     for r in stopped:

@@ -184,3 +184,33 @@ def test_logprobs_are_computed_only_for_the_rows_that_ask():
     assert results[0].logprob == 0.0 and results[0].top_logprobs == []  # not asked: no vocabulary-wide softmax
     assert results[1].logprob == pytest.approx(expected[1], abs=1e-6) and results[1].top_logprobs == []
     assert results[2].logprob == pytest.approx(expected[2], abs=1e-6) and len(results[2].top_logprobs) == 2
+
+
+def _truncate_by_definition(logits, top_k, top_p, min_p):
+    """The filters as defined, one after another over the whole vocabulary (the oracle)."""
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        drop = torch.cumsum(probs, dim=-1) - probs >= top_p
+        drop[0] = False
+        logits = logits.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
+    return logits
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(40, 0.95, 0.05), (40, 0.5, 0.0), (0, 0.9, 0.0), (5, 1.0, 0.2),
+                                               (1, 0.9, 0.0), (3000, 0.8, 0.01), (-1, 1.0, 0.0)])
+def test_truncation_keeps_exactly_the_support_the_filters_define(top_k, top_p, min_p):
+    """top-p over the top-k alone (no sort of the whole vocabulary) keeps the same tokens at the same values."""
+    from worker_svc.sampling import truncate
+
+    g = torch.Generator().manual_seed(top_k + 7)
+    for scale in (0.5, 3.0, 10.0):
+        row = torch.randn(5000, generator=g) * scale
+        got, want = truncate(row, top_k, top_p, min_p), _truncate_by_definition(row, top_k, top_p, min_p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])

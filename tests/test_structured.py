@@ -448,7 +448,8 @@ def test_langchains_structured_output_methods_and_bind_tools_return_objects(base
     as_json = llm.with_structured_output(Person.model_json_schema(), method="json_mode").invoke(
         "Invent a person and answer in JSON with a name and an age.")
     assert isinstance(as_json, dict)
-    message = llm.bind_tools([WEATHER], tool_choice="any").invoke("What is the weather in Paris?")
+    message = llm.bind_tools([WEATHER], tool_choice="any", parallel_tool_calls=False).invoke(
+        "What is the weather in Paris?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
     jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])
 

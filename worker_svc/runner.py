@@ -13,7 +13,6 @@ state of every other sequence stay as they were.
 
 from __future__ import annotations
 
-
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,12 +22,12 @@ import torch
 
 from conveyor.errors import InvalidArgument
 from conveyor.params import SamplingParams, StopParams, Structured
+from conveyor.structured import Constraint, Constraints
 from worker_svc.attention import (PagedAttention, Rows, decode_rows, decode_size, padded_tables, paged_attention,
                                   prefill_rows)
 from worker_svc.graphs import DecodeGraphs, Graph
 from worker_svc.kv_cache import KVCache
 from worker_svc.model import AttentionMetadata, LlamaModel, PrefillChunk
-from conveyor.structured import Constraint, Constraints
 from worker_svc.sampling import Sampled, SampleRow, Scored, sample, score
 
 

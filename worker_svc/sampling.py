@@ -118,22 +118,34 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 
 def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """One row (V,) after temperature: -inf outside the min-p, top-k and top-p support."""
+    """One row (V,) after temperature: -inf outside the min-p, top-k and top-p support, in that order.
+
+    With top-k on, top-p runs over the k largest alone (``topk`` returns them sorted): sorting the whole
+    vocabulary for top-p cost ~1.5 ms a row on a 49k vocabulary, and the default settings (llama.cpp's:
+    top-k 40, top-p 0.95, min-p 0.05) truncate every request. Per row, so a row's support depends on its own
+    logits and settings alone, never on its neighbours in the batch."""
+    vocab = logits.shape[-1]
     if min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_k < vocab:
+        values, order = torch.topk(logits, top_k)  # sorted, largest first
+        if top_p < 1.0:
+            values = values.masked_fill(_beyond_top_p(values, top_p), float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(0, order, values)
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop = mass_before >= top_p  # keep the smallest prefix whose mass reaches top_p
-        drop[0] = False
+        values, order = torch.sort(logits, descending=True)
         # scattered back, not indexed by the mask: a boolean index would wait for the device
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        logits = logits.scatter(0, order, values.masked_fill(_beyond_top_p(values, top_p), float("-inf")))
     return logits
+
+
+def _beyond_top_p(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Of logits sorted largest first: those past the smallest prefix whose probability reaches top_p."""
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = torch.cumsum(probs, dim=-1) - probs >= top_p
+    drop[0] = False
+    return drop
 
 
 def _seeded_exponential(vocab: int, row: SampleRow, device) -> torch.Tensor:
