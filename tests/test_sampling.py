@@ -214,3 +214,28 @@ def test_truncation_keeps_exactly_the_support_the_filters_define(top_k, top_p, m
         got, want = truncate(row, top_k, top_p, min_p), _truncate_by_definition(row, top_k, top_p, min_p)
         assert torch.equal(torch.isfinite(got), torch.isfinite(want))
         assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
+
+
+def _bitmask(vocab: int, allowed: list[int]) -> torch.Tensor:
+    words = torch.zeros((vocab + 31) // 32, dtype=torch.int64)
+    for t in allowed:
+        words[t >> 5] |= 1 << (t & 31)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the bits as int32 words
+
+
+def test_a_constraints_mask_holds_greedy_and_drawn_rows_to_its_tokens():
+    """Greedy: the argmax when the constraint allows it (no mask applied), else the best allowed token. Drawn:
+    only allowed tokens, whatever the noise. A row with nothing allowed reports a dead end, alone."""
+    vocab = 100
+    logits = torch.arange(vocab, dtype=torch.float32).repeat(4, 1)  # token 99 is every row's argmax
+    rows = [SampleRow(SamplingParams(temperature=0.0), [], [], mask=_bitmask(vocab, [99, 3])),
+            SampleRow(SamplingParams(temperature=0.0), [], [], mask=_bitmask(vocab, [3, 40, 64])),
+            SampleRow(SamplingParams(temperature=1.0, seed=1), [], [], mask=_bitmask(vocab, [5, 7, 31, 32])),
+            SampleRow(SamplingParams(temperature=0.0), [], [], mask=_bitmask(vocab, []))]
+    out = sample(logits.clone(), rows)
+    assert [out[0].token_id, out[1].token_id] == [99, 64] and out[2].token_id in (5, 7, 31, 32)
+    assert out[3].error and "allows no token" in out[3].error and not any(o.error for o in out[:3])
+    drawn = {sample(logits[2:3].clone(), [SampleRow(SamplingParams(temperature=1.0, seed=s), [], [],
+                                                    mask=_bitmask(vocab, [5, 7, 31, 32]))])[0].token_id
+             for s in range(40)}
+    assert drawn <= {5, 7, 31, 32} and len(drawn) > 1

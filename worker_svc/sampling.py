@@ -163,16 +163,24 @@ def _masks_stop_ids(row: SampleRow) -> bool:
 
 
 def _edits_logits(row: SampleRow) -> bool:
-    return bool(row.params.logit_bias) or row.params.has_penalties or _masks_stop_ids(row) or row.mask is not None
+    """Bias, min_tokens or penalties change this row's logits (a constraint's mask is applied apart)."""
+    return bool(row.params.logit_bias) or row.params.has_penalties or _masks_stop_ids(row)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-def apply_masks(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-    """In place: a constrained row's disallowed tokens to -inf. Returns the rows left with no token at all
+def _allowed(rows: list[SampleRow], which: list[int], tokens: torch.Tensor) -> list[bool]:
+    """Whether each row's token (``tokens[i]``) is one its constraint allows: one bit of its mask."""
+    words = torch.stack([rows[i].mask for i in which]).to(tokens.device)
+    picked = tokens[which]
+    word = words.gather(1, (picked >> 5).unsqueeze(1)).squeeze(1)
+    return ((word >> (picked & 31).to(torch.int32)) & 1).bool().tolist()
+
+
+def apply_masks(logits: torch.Tensor, rows: list[SampleRow], masked: list[int]) -> list[int]:
+    """In place: the ``masked`` rows' disallowed tokens to -inf. Returns the rows left with no token at all
     (a dead end: the constraint and min_tokens or the vocabulary disagree)."""
-    masked = [i for i, row in enumerate(rows) if row.mask is not None]
     if not masked:
         return []
     words = torch.stack([rows[i].mask for i in masked])
@@ -190,8 +198,20 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         logits = logits.clone()
         apply_bias_and_min_tokens(logits, rows)
         apply_penalties(logits, rows)
-        dead = apply_masks(logits, rows)
     tokens = torch.argmax(logits, dim=-1)  # the answer for greedy rows
+    masked = [i for i, row in enumerate(rows) if row.mask is not None]
+    if masked:
+        # a greedy row whose argmax its constraint allows needs no mask (exact: the argmax of the masked row is
+        # the same token); the others are masked whole (llama.cpp's order)
+        greedy = [i for i in masked if rows[i].params.greedy]
+        fine = {i for i, ok in zip(greedy, _allowed(rows, greedy, tokens)) if ok} if greedy else set()
+        masked = [i for i in masked if i not in fine]
+        if masked:
+            logits = logits.clone() if logits is raw else logits
+            dead = apply_masks(logits, rows, masked)
+            redo = [i for i in masked if rows[i].params.greedy]
+            if redo:
+                tokens[redo] = torch.argmax(logits[redo], dim=-1)
     vocab, device = logits.shape[1], logits.device
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
