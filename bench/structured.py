@@ -3,7 +3,8 @@
     python bench/structured.py                       # the default model, 1, 8 and 32 streams
     python bench/structured.py --concurrency 1 32 --max-tokens 128
 
-Starts a stack (``conveyor up``'s, the default model, fast numerics), then runs each level twice,
+Starts a stack (``conveyor up``'s, the default model, fast numerics, no prefix cache: both runs of a level
+send the same prompts), then runs each level twice,
 interleaved: free text, and every request held to a JSON schema (an array of short strings whose
 ``minItems`` no output of this length can reach, so every request runs its full ``max_tokens``, as the
 free ones do with ``ignore_eos``). Greedy, exact-length prompts, through the gRPC SDK
@@ -46,7 +47,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as data:
         stack = start(UpConfig(model=args.model, port=free_port(), http_port=-1, worker_port=0, scheduler_port=0,
                                detokenizer_port=0, deliver_port=0, data_dir=data, log_level="WARNING",
-                               numerics="fast", frontend_metrics_port=0, scheduler_metrics_port=0, worker_metrics_port=0,
+                               numerics="fast", prefix_cache=False, frontend_metrics_port=0, scheduler_metrics_port=0, worker_metrics_port=0,
                                detokenizer_metrics_port=0))
         try:
             rows = []

@@ -102,14 +102,13 @@ class Constraints:
         self.tokenizer_json, self.vocab_size, self.eos = tokenizer_json, vocab_size, list(eos_token_ids)
         self.compiled: OrderedDict[Structured, object] = OrderedDict()
         self.lock = threading.Lock()
-        self._tokenizer = self._executor = None
+        self._tokenizer = None
 
     def _llg(self):
         if self._tokenizer is None:
-            from llguidance import LLExecutor, LLTokenizer
+            from llguidance import LLTokenizer
 
             self._tokenizer = LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos)
-            self._executor = LLExecutor()
         return self._tokenizer
 
     def new(self, s: Structured) -> Constraint:
@@ -130,12 +129,15 @@ class Constraints:
 
     def masks(self, constraints: list[Constraint]):
         """The allowed-token bitmasks of ``constraints`` (int32, one row each, bit j of word w: token 32w + j),
-        filled in parallel by llguidance without the GIL (call it off the step's thread to overlap the
-        forward). Not through ``llguidance.torch``: importing it compiles a kernel (~5 s)."""
+        one matcher after another on the calling thread (llguidance drops the GIL while it computes; call it off
+        the step's thread to overlap the forward). Not llguidance's parallel executor: its worker threads spin
+        between steps and took a core from the model (served ITL +6 ms at one stream on 2 cores), and a mask
+        costs microseconds. Not through ``llguidance.torch`` either: importing it compiles a kernel (~5 s)."""
         import torch
 
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros(len(constraints), words, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)],
-                                               bitmask.data_ptr(), words * 4, len(constraints))
+        base, size = bitmask.data_ptr(), words * 4
+        for i, c in enumerate(constraints):
+            c.matcher.unsafe_compute_mask_ptr(base + i * size, size)
         return bitmask
