@@ -315,6 +315,10 @@ def params_from(kind, raw: dict):
 # ---------------------------------------------------------------- protobuf, by field name
 
 
+def _is_map(desc) -> bool:
+    return desc.message_type is not None and desc.message_type.GetOptions().map_entry
+
+
 def given_from_pb(message, kind) -> dict:
     """The fields of ``kind`` that ``message`` sets, by name (an unset optional field is left out): a map as a
     dict, a repeated field as a tuple. Fields only one side has are skipped, so a message may carry a subset."""
@@ -325,7 +329,7 @@ def given_from_pb(message, kind) -> dict:
         if desc is None or (desc.has_presence and not message.HasField(name)):
             continue
         value = getattr(message, name)
-        if desc.message_type is not None and desc.message_type.GetOptions().map_entry:
+        if _is_map(desc):
             value = dict(value)
         elif desc.is_repeated:
             value = tuple(value)
@@ -346,7 +350,7 @@ def to_pb(values, message):
         desc = by_name.get(name)
         if desc is None or value is None:
             continue
-        if desc.message_type is not None and desc.message_type.GetOptions().map_entry:
+        if _is_map(desc):
             getattr(message, name).update(value)
         elif desc.is_repeated:
             getattr(message, name).extend(value)

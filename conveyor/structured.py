@@ -12,7 +12,7 @@ preemption, a restart, an engine takeover) replays its output into a fresh match
 from __future__ import annotations
 
 import functools
-import threading
+import json
 from collections import OrderedDict
 
 from conveyor.params import Limits, Structured
@@ -36,8 +36,6 @@ def grammar(s: Structured) -> str:
     if s.kind == "regex":
         return LLMatcher.grammar_from_regex(s.spec)
     if s.kind == "choice":
-        import json
-
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(s.spec)))
     if s.kind == "gbnf":
         return LLMatcher.grammar_from_lark(gbnf_to_lark(s.spec))
@@ -96,12 +94,12 @@ class Constraint:
 
 class Constraints:
     """The worker's matchers: its tokenizer as llguidance sees it (built once, on the first constrained
-    sequence: ~0.5 s for a 49k vocabulary), compiled matchers by spec, and the masks of a step."""
+    sequence: ~0.5 s for a 49k vocabulary), compiled matchers by spec (``new`` runs on the step's thread
+    alone), and their masks."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
         self.tokenizer_json, self.vocab_size, self.eos = tokenizer_json, vocab_size, list(eos_token_ids)
         self.compiled: OrderedDict[Structured, object] = OrderedDict()
-        self.lock = threading.Lock()
         self._tokenizer = None
 
     def _llg(self):
@@ -116,28 +114,24 @@ class Constraints:
         matcher in its error state: the sequence's first sample reports it."""
         from llguidance import LLMatcher
 
-        with self.lock:
-            base = self.compiled.get(s)
-            if base is None:
-                base = LLMatcher(self._llg(), grammar(s), limits=parser_limits(), log_level=0)
-                self.compiled[s] = base
-                if len(self.compiled) > MATCHER_CACHE:
-                    self.compiled.popitem(last=False)
-            else:
-                self.compiled.move_to_end(s)
-            return Constraint(base.deep_copy())
+        base = self.compiled.get(s)
+        if base is None:
+            base = LLMatcher(self._llg(), grammar(s), limits=parser_limits(), log_level=0)
+            self.compiled[s] = base
+            if len(self.compiled) > MATCHER_CACHE:
+                self.compiled.popitem(last=False)
+        else:
+            self.compiled.move_to_end(s)
+        return Constraint(base.deep_copy())
 
-    def masks(self, constraints: list[Constraint]):
-        """The allowed-token bitmasks of ``constraints`` (int32, one row each, bit j of word w: token 32w + j),
-        one matcher after another on the calling thread (llguidance drops the GIL while it computes; call it off
-        the step's thread to overlap the forward). Not llguidance's parallel executor: its worker threads spin
-        between steps and took a core from the model (served ITL +6 ms at one stream on 2 cores), and a mask
-        costs microseconds. Not through ``llguidance.torch`` either: importing it compiles a kernel (~5 s)."""
+    def mask(self, constraint: Constraint):
+        """The tokens ``constraint`` allows next, as a bitmask (int32 words, bit j of word w: token 32w + j).
+        llguidance drops the GIL while it computes (call it off the step's thread to overlap the forward). One
+        matcher at a time: a mask costs microseconds, so its parallel executor is not needed (and with it the
+        one-stream gap measured in the note did not change). Not through ``llguidance.torch``: importing it
+        compiles a kernel (~5 s)."""
         import torch
 
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.zeros(len(constraints), words, dtype=torch.int32)
-        base, size = bitmask.data_ptr(), words * 4
-        for i, c in enumerate(constraints):
-            c.matcher.unsafe_compute_mask_ptr(base + i * size, size)
+        bitmask = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
+        constraint.matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
         return bitmask

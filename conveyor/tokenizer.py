@@ -8,6 +8,7 @@ the file gives in ``tokenizer.ggml.pre``, with the split rules llama.cpp uses fo
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -140,9 +141,10 @@ class ModelTokenizer:
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens,
                                **extra)
 
-    @property
+    @functools.cached_property
     def supports_tools(self) -> bool:
-        """The chat template reads a ``tools`` variable (it describes the tools itself)."""
+        """The chat template reads a ``tools`` variable (it describes the tools itself). Parsed once: every chat
+        request asks."""
         from jinja2 import meta
 
         if not self.chat_template:

@@ -270,12 +270,11 @@ class ModelRunner:
             rows = torch.tensor([last_rows[c.seq_id] for c in sampled], device=self.device)
             logits = self.model.logits(hidden[rows])
             sample_rows = []
-            errors, bitmask = masks.result() if masks is not None else ({}, None)
+            errors, bitmasks = masks.result() if masks is not None else ({}, {})
             for i, c in enumerate(sampled):
                 s = staged[c.seq_id]
-                mask = bitmask[i] if s.constraint is not None and i not in errors else None
                 sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :],
-                                             s.stop, mask))
+                                             s.stop, bitmasks.get(i)))
             drawn = sample(logits, sample_rows, self.generator)
             for i, error in errors.items():
                 drawn[i].error = error
@@ -284,28 +283,24 @@ class ModelRunner:
 
     def _start_masks(self, states: list[SeqState]):
         """On the grammar thread: feed each constrained sequence the output tokens its matcher has not seen,
-        then fill the masks of what may come next. A future of ({row: error}, bitmask rows), or None."""
+        then fill the masks of what may come next. A future of ({row: error}, {row: bitmask}), or None."""
         self.mask_seconds = None
         if not any(s.constraint is not None for s in states):
             return None
 
         def work():
             start = time.perf_counter()
-            errors, rows = {}, []
+            errors, masks = {}, {}
             for i, s in enumerate(states):
-                if s.constraint is not None:
-                    error = s.constraint.catch_up(s.tokens[s.num_prompt_tokens :])
-                    if error is not None:
-                        errors[i] = error
-                rows.append(s.constraint if s.constraint is not None and i not in errors else None)
-            live = [c for c in rows if c is not None]
-            words = self.constraints.masks(live) if live else None
-            bitmask, at = [None] * len(rows), 0
-            for i, c in enumerate(rows):
-                if c is not None:
-                    bitmask[i], at = words[at], at + 1
+                if s.constraint is None:
+                    continue
+                error = s.constraint.catch_up(s.tokens[s.num_prompt_tokens :])
+                if error is None:
+                    masks[i] = self.constraints.mask(s.constraint)
+                else:
+                    errors[i] = error
             self.mask_seconds = time.perf_counter() - start
-            return errors, bitmask
+            return errors, masks
 
         return self.grammar_thread.submit(work)
 
