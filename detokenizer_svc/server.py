@@ -11,7 +11,8 @@ import time
 import grpc
 
 from conveyor import grpc_util
-from conveyor.engines import Registry, Schedulers
+from conveyor.engines import Registry
+from conveyor.schedulers import Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument
 from conveyor.metrics import Metrics
 from conveyor.state import REDIS_DOWN, RequestStore

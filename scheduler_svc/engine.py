@@ -1,10 +1,11 @@
 """The step loop: schedule, run the worker, apply results, write Redis, publish tokens.
 
 One engine thread owns the loop and is the only writer of request state to Redis (one pipeline
-per step). gRPC handlers (submit, abort, finish) change the scheduler under the lock and wake the
-loop; what they decide is written by the loop's next step, so writes stay in order. The worker
-call runs outside the lock, so an abort during a step frees its blocks at once and the step's
-result for that request is dropped.
+per step, ``persist.Persister``). gRPC handlers (submit, abort, finish) change the scheduler under
+the lock and wake the loop; what they decide is written by the loop's next step, so writes stay in
+order. The worker call runs outside the lock, so an abort during a step frees its blocks at once and
+the step's result for that request is dropped. Everything else reads the engine through
+``snapshot()``; what it reports is in ``observe``.
 
 ``transport`` and ``publish`` are plain objects (the gRPC server supplies them), so this
 module imports no gRPC.
@@ -19,17 +20,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from redis.exceptions import WatchError
+from dataclasses import replace
 
-from conveyor.engines import Lease, Registry
+from conveyor.engines import Lease
 from conveyor.errors import InvalidArgument, NotFound, Unavailable
-from conveyor.state import REDIS_DOWN, Fenced, RequestStore
 from conveyor.metrics import Metrics
-from scheduler_svc.policy import Answer, Counters, Output, Scheduler, StepPlan
-from scheduler_svc.request import Request
+from conveyor.state import RequestStore
+from scheduler_svc.observe import Health, HeldRequest, Snapshot, StepMetrics
+from scheduler_svc.persist import Persister
+from scheduler_svc.policy import Answer, Output, Scheduler, StepPlan
+from scheduler_svc.request import Request, Status
 
 log = logging.getLogger("conveyor.scheduler")
-MAX_REWRITES = 3  # times a step rewrites a record Redis refuses before that request ends with an error
 
 
 class StepFailed(Exception):
@@ -80,16 +82,13 @@ class Engine:
         self.transport = transport
         self.depth = depth
         self.metrics = metrics or Metrics("scheduler")
-        self._counted = Counters()  # the scheduler's counters as last exported
-        self._prefix_counted = (0, 0)  # prefix cache (queries, hits) as last exported
-        self._last_answer = 0.0
+        self.observed = StepMetrics(self.metrics)
+        self.health = Health(self.metrics)  # its on_change: the server's, health follows worker and Redis
+        self.persister = Persister(store, self.health, self.metrics, name, lease, stopped=lambda: self._stopped)
         self.publish = publish
         self.eos_token_ids = eos_token_ids
         self.cond = threading.Condition()
         self.decided: list[Output] = []  # aborts and stop-string finishes, written by the next step
-        self.worker_up = True
-        self.redis_up = True
-        self.on_health: Callable[[bool], None] = lambda serving: None  # health follows worker and Redis
         # the loop died of an unexpected error: the server goes NOT_SERVING and exits non-zero
         self.on_crash: Callable[[BaseException], None] = lambda exc: None
         # raises when a request's data cannot go on the wire to the worker (the server supplies it): such a
@@ -168,18 +167,29 @@ class Engine:
     def drop_taken(self, request_ids: list[str]) -> set[str]:
         """Of ``request_ids``, those whose record names another engine now (it took them over while this one's
         lease had lapsed): dropped here, without writing anything; returns them."""
-        if not self.name or not request_ids:
-            return set()
-        owners = Registry(self.store).engines_of(request_ids)
-        taken = {rid for rid, owner in zip(request_ids, owners) if owner not in (None, self.name)}
+        taken = self.persister.taken(request_ids)
+        if taken:
+            self._forget(taken)
+        return taken
+
+    def _forget(self, taken: set[str]) -> None:
         with self.cond:
             for request_id in taken:
                 self.scheduler.forget(request_id)
             self.cond.notify()
-        if taken:
-            log.warning("%d requests were taken over by other engines while this one's lease had lapsed; dropped "
-                        "them here", len(taken))
-        return taken
+        log.warning("%d requests were taken over by other engines while this one's lease had lapsed; dropped them "
+                    "here", len(taken))
+
+    def snapshot(self, requests: bool = False) -> Snapshot:
+        """The queues, the cache and the health now (``requests``: with each request held, for ``Stats``)."""
+        with self.cond:
+            s, b = self.scheduler, self.scheduler.blocks
+            held = tuple(HeldRequest(r.request_id, r.client_id, r.owner, r.status.value, len(b.table(r.request_id)),
+                                     len(r.output_ids))
+                         for r in (*s.waiting, *s.running) if r.status is not Status.FINISHED) if requests else ()
+            return Snapshot(len(s.running), len(s.waiting), b.num_blocks, b.num_free, b.num_cached,
+                            replace(s.counters), b.stats.queries, b.stats.hits, self.health.worker_up,
+                            self.health.redis_up, held)
 
     # ------------------------------------------------------------ the loop
 
@@ -200,7 +210,7 @@ class Engine:
             self._steps()
         except BaseException as exc:  # noqa: BLE001 - anything: the process must not serve without its loop
             log.critical("the engine loop failed; the scheduler stops", exc_info=True)
-            self._set_health(worker_up=False)
+            self.health.set(worker_up=False)
             self.on_crash(exc)
 
     def _steps(self) -> None:
@@ -208,7 +218,6 @@ class Engine:
         the oldest answer, apply it, write Redis and publish (the worker meanwhile computes the next)."""
         backoff = 0.1
         in_flight: deque[tuple[StepPlan, list[Output]]] = deque()
-        self._sent_at: dict[int, float] = {}
         while True:
             with self.cond:
                 while not (self._stopped or self.decided or self.scheduler.has_work or in_flight):
@@ -225,7 +234,7 @@ class Engine:
                     in_flight.clear()
                     continue
                 in_flight.append((plan, decided))
-                self._sent_at[plan.step] = time.perf_counter()
+                self.observed.sent(plan.step)
                 if len(in_flight) < self.depth:
                     continue  # fill the worker's queue first
             elif decided or (plan is not None and plan.preempted):
@@ -241,59 +250,13 @@ class Engine:
                 in_flight.clear()
                 continue
             backoff = 0.1
-            if not self.worker_up:
+            if not self.health.worker_up:
                 log.info("the worker answers again; continuing")
-                self._set_health(worker_up=True)
+                self.health.set(worker_up=True)
             with self.cond:
                 outputs = self.scheduler.update(sent, answer.sampled, scored=answer.scored, failed=answer.failed)
-            self._observe(sent, outputs)
+            self.observed.answered(sent, outputs, self.snapshot())
             self._write_and_publish(sent, outputs, sent_decided)
-
-    def _observe(self, plan: StepPlan, outputs: list[Output]) -> None:
-        """Export one answered step: its duration and batch, the gauges, and per-request latencies."""
-        m, s = self.metrics, self.scheduler
-        now = time.perf_counter()
-        started = max(self._sent_at.pop(plan.step, now), self._last_answer)  # queued behind the previous step
-        self._last_answer = now
-        decodes = sum(1 for c in plan.chunks
-                      if c.decode_last or (len(c.token_ids) == 1 and c.start_pos >= len(c.request.prompt_ids)))
-        phase = "prefill" if decodes == 0 else "decode" if decodes == len(plan.chunks) else "mixed"
-        m.step_duration_seconds.labels(phase=phase).observe(now - started)
-        m.batch_size.observe(len(plan.chunks))
-        m.batch_tokens.observe(sum(len(c.token_ids) or 1 for c in plan.chunks))
-        mono = time.monotonic()
-        for request in plan.admitted:
-            m.queue_time_seconds.observe(max(0.0, mono - request.queued_at))
-            if request.admitted_at is None:
-                request.admitted_at = mono
-        for output in outputs:
-            request = output.request
-            if output.first_index == 0 and request.admitted_at is not None:
-                m.prefill_time_seconds.observe(request.first_token_at - request.admitted_at)
-            if output.finish_reason is not None and request.first_token_at is not None:
-                m.decode_time_seconds.observe(mono - request.first_token_at)
-        with self.cond:
-            counters = s.counters
-            m.steps.inc(counters.steps - self._counted.steps)
-            m.preemptions.inc(counters.preemptions - self._counted.preemptions)
-            m.aborts.inc(counters.aborts - self._counted.aborts)
-            self._counted = Counters(counters.steps, counters.preemptions, counters.aborts, counters.finished)
-            prefix = s.blocks.stats
-            m.prefix_cache_queries.inc(prefix.queries - self._prefix_counted[0])
-            m.prefix_cache_hits.inc(prefix.hits - self._prefix_counted[1])
-            self._prefix_counted = (prefix.queries, prefix.hits)
-            self.export_gauges()
-
-    def export_gauges(self) -> None:
-        """Queue and cache gauges (call with the lock held)."""
-        m, s = self.metrics, self.scheduler
-        m.requests_running.set(len(s.running))
-        m.requests_waiting.set(len(s.waiting))
-        m.kv_blocks_used.set(s.blocks.num_used)
-        m.kv_blocks_total.set(s.blocks.num_blocks)
-        m.kv_cache_usage_ratio.set(s.blocks.num_used / max(1, s.blocks.num_blocks))
-        m.prefix_cache_blocks.set(s.blocks.num_cached)
-        m.worker_up.set(1 if self.worker_up else 0)
 
     def _recover(self, plan: StepPlan, exc: Exception, backoff: float, dropped) -> float:
         """The worker failed: blame what caused it, requeue everything for recompute, write what was
@@ -302,6 +265,7 @@ class Engine:
             with self.cond:
                 self.decided += self.scheduler.step_failed(plan, exc.culprit, str(exc), exc.fatal)
         self._worker_failed(plan, exc, backoff)
+        self.observed.forget_sent()
         for dropped_plan, dropped_decided in dropped:
             self._write_and_publish(dropped_plan, [], dropped_decided)
         self.transport.reset()
@@ -328,18 +292,7 @@ class Engine:
                 log.warning("the worker came back with %d blocks x %d tokens (was %d x %d); adopting them",
                             num_blocks, block_size, s.blocks.num_blocks, s.blocks.block_size)
                 self.decided += s.resize(s.blocks.resized(num_blocks, block_size), max_len)
-                self.export_gauges()
-
-    def _set_health(self, worker_up: bool | None = None, redis_up: bool | None = None) -> None:
-        """Record what is down; the gRPC health says NOT_SERVING while the worker or Redis is."""
-        before = self.worker_up and self.redis_up
-        if worker_up is not None:
-            self.worker_up = worker_up
-            self.metrics.worker_up.set(1 if worker_up else 0)
-        if redis_up is not None:
-            self.redis_up = redis_up
-        if (self.worker_up and self.redis_up) != before:
-            self.on_health(self.worker_up and self.redis_up)
+        self.observed.export(self.snapshot())
 
     def _wait_for_change(self) -> None:
         """Nothing could be scheduled (no blocks for the queue head): wait for an arrival or a departure."""
@@ -354,129 +307,42 @@ class Engine:
         elif refused:
             log.warning("worker step %d failed (%s); requeueing %d running requests, suspects run alone",
                         plan.step, exc, len(self.scheduler.running))
-        elif self.worker_up:
+        elif self.health.worker_up:
             log.error("worker step %d failed (%s); requeueing %d running requests for recompute",
                       plan.step, str(exc) or type(exc).__name__, len(self.scheduler.running))
         if not refused:
-            self._set_health(worker_up=False)
+            self.health.set(worker_up=False)
         with self.cond:
             self.scheduler.reset_worker()
         if not refused:
             time.sleep(backoff)
 
-    def _persist(self, writer, requests: dict[str, Request]) -> set[str]:
-        """Send one step's Redis writes. A record Redis lost (it restarted) is rewritten whole from memory;
-        while Redis is unreachable, retry (with backoff) until it is back: tokens are published only
-        after Redis has them, so a client never sees a token a restarted process could not find.
-        Returns the requests another engine took over while this one's lease had lapsed: nothing was written
-        for them (the caller publishes nothing for them either)."""
-        attempt = 0
-        rewrites: dict[str, int] = {}
-        gone: set[str] = set()
-        check = False  # the lease lapsed meanwhile: write only what is still ours, once that is known
-        while True:
-            try:
-                check |= self._wait_for_lease()
-                if check:
-                    taken = self.drop_taken(list(requests))
-                    check = False
-                    if taken:
-                        gone |= taken
-                        requests = {rid: r for rid, r in requests.items() if rid not in taken}
-                        writer = self._rewrite(requests)
-                lost = writer.execute(self.name if self.lease is not None else "")
-                if not self.redis_up:
-                    log.info("Redis is back after %d attempts", attempt)
-                    self._set_health(redis_up=True)
-                if not lost:
-                    return gone
-                log.warning("Redis lost or refused the records of %d requests; rewriting them", len(lost))
-                self.metrics.redis_repairs.inc(len(lost))
-                for rid in lost:
-                    rewrites[rid] = rewrites.get(rid, 0) + 1
-                hopeless = {rid for rid in lost if rewrites[rid] > MAX_REWRITES}
-                for rid in hopeless & requests.keys():  # Redis keeps refusing this record: fail it alone
-                    self._give_up(requests[rid])
-                requests = {rid: requests[rid] for rid in lost - hopeless if rid in requests}
-                if not requests:
-                    return gone
-            except Fenced as exc:  # taken over while this engine was paused past its lease check: never written
-                log.warning("%s; their step is dropped here", exc)
-                taken = self.drop_taken(list(exc.taken))
-                gone |= taken
-                requests = {rid: r for rid, r in requests.items() if rid not in taken}
-                if not requests:
-                    return gone
-            except WatchError:  # a record changed while the step was being written: write again, checked anew
-                pass
-            except REDIS_DOWN as exc:
-                if attempt % 20 == 0:
-                    log.warning("Redis write failed (%s); retrying", exc)
-                self._set_health(redis_up=False)
-                time.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0))
-                attempt += 1
-            writer = self._rewrite(requests)  # retry by rewriting the step's records whole: idempotent
-
-    def _rewrite(self, requests: dict[str, Request]):
-        """A writer that rewrites these requests' records whole from memory."""
-        now = time.time()
-        writer = self.store.writer()
-        for request in requests.values():
-            writer.restore(request.to_record(now))
-        return writer
-
-    def _wait_for_lease(self) -> bool:
-        """Write only while this engine surely holds its requests: once its lease may have expired another
-        engine may have taken them, and the heartbeat settles which are still ours. Returns whether it had
-        to wait (then the caller checks what is still ours)."""
-        waited = 0
-        while self.lease is not None and not self.lease.fresh() and not self._stopped:
-            if waited % 100 == 0:
-                log.warning("this engine's lease in Redis is not fresh; steps wait for the heartbeat")
-            if waited == 50:  # a second without a heartbeat getting through: Redis is out of reach
-                self._set_health(redis_up=False)
-            time.sleep(0.02)
-            waited += 1
-        return waited > 0
-
-    def _give_up(self, request: Request) -> None:
-        """A record Redis refuses even when rewritten whole: end that request (its own error, not an
-        outage: health stays as it is and the other requests go on)."""
-        log.error("Redis refuses the record of %s; ending it", request.request_id)
-        with self.cond:
-            output = self.scheduler.abort(request.request_id)
-        if output is not None:
-            request.error = "Redis refused this request's record"
-            output.finish_reason = request.finish_reason = "error"
-            self.publish(0, [output])
 
     def _write_and_publish(self, plan: StepPlan, outputs: list[Output], decided: list[Output]) -> None:
-        now = time.time()
-        writer = self.store.writer()
-        touched: dict[str, Request] = {}
-        for chunk in plan.chunks:
-            if chunk.registers:
-                writer.status(chunk.request.request_id, "running", chunk.request.cached_tokens)
-                touched[chunk.request.request_id] = chunk.request
-        for request in plan.preempted:
-            writer.status(request.request_id, "waiting")
-            touched[request.request_id] = request
-        for output in outputs:
-            request = output.request
-            first = request.first_token_time if output.first_index == 0 else None
-            prompt = request.prompt_logprobs if output.first_index == 0 else None  # with the first token, once
-            writer.tokens(request.request_id, output.token_ids, output.end, first, prompt)
-            touched[request.request_id] = request
-        for output in [*outputs, *decided]:
-            if output.finish_reason is not None:
-                request = output.request
-                writer.finished(request.request_id, self.store.alias_key(request.owner, request.client_id),
-                                output.finish_reason, output.end, now, trim=output.trim,
-                                stopped_by_token=output.finish_reason == "stop" and request.stopped_by_token,
-                                error=request.error)
-                touched[request.request_id] = request
-        gone = self._persist(writer, touched)
+        """Persist a step, then publish it: what another engine took is dropped here and published nowhere; a
+        request whose record Redis keeps refusing ends with an error, alone."""
+        written = self.persister.write(plan, outputs, decided)
+        if written.taken:
+            self._forget(written.taken)
         published = outputs + [o for o in decided if o.finish_reason != "stop"]  # the detokenizer knows its stops
-        published = [o for o in published if o.request.request_id not in gone]
+        published = [o for o in published if o.request.request_id not in written.left_out]
+        kept = {o.request.request_id: o.first_index for o in outputs}  # what Redis holds of a refused one
+        published += [o for rid in written.refused if (o := self._give_up(rid, kept.get(rid))) is not None]
         if published:
             self.publish(plan.step, published)
+
+    def _give_up(self, request_id: str, kept: int | None) -> Output | None:
+        """A record Redis refuses even when rewritten whole: end that request after the ``kept`` tokens Redis
+        took (its own error, not an outage: health stays as it is and the other requests go on)."""
+        log.error("Redis refuses the record of %s; ending it", request_id)
+        with self.cond:
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                return None
+            if kept is not None:
+                del request.output_ids[kept:]
+                del request.logprobs[kept:]
+            output = self.scheduler.abort(request_id)
+        request.error = "Redis refused this request's record"
+        output.finish_reason = request.finish_reason = "error"
+        return output

@@ -16,7 +16,8 @@ log = logging.getLogger("conveyor.scheduler")
 
 class Membership:
     """Keeps this engine registered in Redis (its lease on its requests, ``conveyor.engines``) and takes
-    over the requests of engines whose lease expired. Runs on a thread of its own."""
+    over the requests of engines whose lease expired. Beats on a thread of its own, and only there once
+    started (``soon`` asks it for a beat now: the frontends route around an engine that stops serving)."""
 
     def __init__(self, engine: Engine, registry: Registry, address: str, model: str, metrics: Metrics):
         self.engine, self.registry, self.metrics = engine, registry, metrics
@@ -25,13 +26,11 @@ class Membership:
         self.ttl = self.lease.ttl
         self._registered = False
         self._stop = threading.Event()
+        self._wake = threading.Event()
 
     def info(self) -> EngineInfo:
-        e = self.engine
-        with e.cond:
-            s = e.scheduler
-            return EngineInfo(e.name, self.address, self.model, len(s.running), len(s.waiting),
-                              s.blocks.num_used / max(1, s.blocks.num_blocks), e.worker_up and e.redis_up)
+        s = self.engine.snapshot()
+        return EngineInfo(self.engine.name, self.address, self.model, s.running, s.waiting, s.kv_usage, s.serving)
 
     def beat(self) -> None:
         """One heartbeat. When the lease had lapsed, first drop what other engines took meanwhile: the
@@ -59,9 +58,17 @@ class Membership:
     def start(self) -> None:
         threading.Thread(target=self._run, name="membership", daemon=True).start()
 
+    def soon(self) -> None:
+        """Beat now rather than at the next period (from any thread)."""
+        self._wake.set()
+
     def _run(self) -> None:
         failures = 0
-        while not self._stop.wait(self.ttl / 6):
+        while True:
+            self._wake.wait(self.ttl / 6)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.beat()
                 self.take_over()
@@ -74,6 +81,7 @@ class Membership:
     def stop(self) -> None:
         """A clean stop: leave at once, so that another engine takes the requests over without waiting."""
         self._stop.set()
+        self._wake.set()
         try:
             self.registry.leave(self.engine.name)
         except Exception:  # noqa: BLE001 - Redis down: the registration expires by itself

@@ -29,7 +29,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, StepFailed
 from scheduler_svc.membership import Membership
 from scheduler_svc.policy import Answer, Output, Scheduler, StepPlan
-from scheduler_svc.request import Request, Status
+from scheduler_svc.request import Request
 
 log = logging.getLogger("conveyor.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -222,24 +222,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return self.info
 
     def Stats(self, request, context):
-        engine = self.engine
-        with engine.cond:
-            s = engine.scheduler
-            held = [*s.waiting, *s.running]
-            states = [
-                scheduler_pb2.RequestState(request_id=r.request_id, client_id=r.client_id, owner=r.owner,
-                                           status=r.status.value,
-                                           num_blocks=len(s.blocks.table(r.request_id)),
-                                           num_output_tokens=len(r.output_ids))
-                for r in held if r.status is not Status.FINISHED
-            ]
-            return scheduler_pb2.StatsResponse(
-                steps=s.counters.steps, running=len(s.running), waiting=len(s.waiting),
-                num_blocks=s.blocks.num_blocks, free_blocks=s.blocks.num_free, preemptions=s.counters.preemptions,
-                aborts=s.counters.aborts, finished=s.counters.finished, requests=states, worker_up=engine.worker_up,
-                prefix_cache_queries=s.blocks.stats.queries, prefix_cache_hits=s.blocks.stats.hits,
-                cached_blocks=s.blocks.num_cached,
-            )
+        s = self.engine.snapshot(requests=True)
+        c = s.counters
+        return scheduler_pb2.StatsResponse(
+            steps=c.steps, running=s.running, waiting=s.waiting, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
+            preemptions=c.preemptions, aborts=c.aborts, finished=c.finished, worker_up=s.worker_up,
+            requests=[scheduler_pb2.RequestState(**vars(r)) for r in s.requests],
+            prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits, cached_blocks=s.cached_blocks,
+        )
 
 
 def worker_info(stub: worker_pb2_grpc.WorkerStub, address: str) -> worker_pb2.InfoResponse:
@@ -312,12 +302,9 @@ def serve(cfg: SchedulerConfig) -> None:
 
     def on_health(serving: bool) -> None:
         grpc_util.set_serving(health, [SERVICE_NAME], serving, metrics)
-        try:
-            membership.beat()  # the frontends route around an engine that is not serving at once
-        except Exception:  # noqa: BLE001 - Redis down: the next heartbeat says it
-            pass
+        membership.soon()  # the frontends route around an engine that is not serving at once
 
-    engine.on_health = on_health
+    engine.health.on_change = on_health
 
     def crashed(exc: BaseException) -> None:  # the engine loop is gone: stop so a supervisor restarts us
         grpc_util.set_serving(health, [SERVICE_NAME], False, metrics)
@@ -328,8 +315,7 @@ def serve(cfg: SchedulerConfig) -> None:
     _retry_redis(membership.beat)  # registered first: from now on no other engine takes over this one's requests
     engine.recover()
     service.ready(engine, info)
-    with engine.cond:
-        engine.export_gauges()
+    engine.observed.export(engine.snapshot())
     engine.start()
     membership.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)

@@ -79,7 +79,7 @@ def test_a_request_whose_data_cannot_go_on_the_wire_ends_alone_and_health_stays_
     with pytest.raises(InvalidArgument, match="cannot be computed"):
         engine.submit("bad")  # refused at the door
     health = []
-    engine.on_health = health.append
+    engine.health.on_change = health.append
     assert engine.adopt(["bad", "good"]) == 2  # as a restarted scheduler recovers them: past the door
     engine.start()
     deadline = time.monotonic() + 10
@@ -89,7 +89,7 @@ def test_a_request_whose_data_cannot_go_on_the_wire_ends_alone_and_health_stays_
     bad_record, good_record = store.get("bad"), store.get("good")
     assert bad_record.finish_reason == "error" and "could not be sent to the worker" in bad_record.error
     assert good_record.finish_reason == "length" and good_record.output_ids == [7, 7, 7]
-    assert health == [] and engine.worker_up  # never marked down
+    assert health == [] and engine.health.worker_up  # never marked down
 
 
 # ---------------------------------------------------------------- one real stack

@@ -203,7 +203,7 @@ def test_an_engine_loop_that_dies_says_so_and_goes_not_serving(redis_server):
     store = RequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
     engine = Engine(scheduler, store, transport=None, publish=lambda *a: None, eos_token_ids=(2,))
     crashed, health = [], []
-    engine.on_crash, engine.on_health = crashed.append, health.append
+    engine.on_crash, engine.health.on_change = crashed.append, health.append
     scheduler.free_all = True  # something to do: the loop calls schedule()
     engine.start()
     engine._thread.join(timeout=10)

@@ -24,7 +24,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 import grpc
 
 from conveyor import grpc_util
-from conveyor.engines import Registry, Router, Schedulers
+from conveyor.engines import Registry, Router
+from conveyor.schedulers import Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
