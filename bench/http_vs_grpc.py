@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        stack = start(UpConfig(port=free_port(), http_port=free_port(), worker_port=0, scheduler_port=0,
+        stack = start(UpConfig.of(port=free_port(), http_port=free_port(), worker_port=0, scheduler_port=0,
                                detokenizer_port=0, deliver_port=0, log_level="WARNING", data_dir=str(Path(tmp) / "r"),
                                **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}))
         try:

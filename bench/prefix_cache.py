@@ -128,7 +128,7 @@ def main() -> None:
     for cache in (True, False):
         name = "cache on" if cache else "cache off"
         with tempfile.TemporaryDirectory() as tmp:
-            stack = start(UpConfig(port=free_port(), http_port=-1, worker_port=0, scheduler_port=0, detokenizer_port=0,
+            stack = start(UpConfig.of(port=free_port(), http_port=-1, worker_port=0, scheduler_port=0, detokenizer_port=0,
                                    deliver_port=0, log_level="WARNING", data_dir=str(Path(tmp) / "r"),
                                    numerics=args.numerics, prefix_cache=cache,
                                    **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}))

@@ -114,7 +114,7 @@ def main() -> None:
         with torch.inference_mode():
             runner.graphs.capture_all()
     free = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
-    stack = start(UpConfig(model=args.model, device=args.device, port=free_port(), worker_port=0, scheduler_port=0,
+    stack = start(UpConfig.of(model=args.model, device=args.device, port=free_port(), worker_port=0, scheduler_port=0,
                            detokenizer_port=0, deliver_port=0, kv_cache_bytes=args.kv_cache_bytes, log_level="WARNING",
                            numerics=args.numerics, **free))
     try:

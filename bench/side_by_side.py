@@ -150,7 +150,7 @@ def start_vllm(python: Path, folder: Path, threads: int, dtype: str) -> tuple[su
 
 
 def conveyor_rows(names: list[str], base: BenchConfig, **up) -> dict[str, dict]:
-    stack = start(UpConfig(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
+    stack = start(UpConfig.of(port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
                            log_level="WARNING", prefix_cache=False,
                            **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}, **up))
     try:

@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=0, help="timed requests per level (default: 2 x streams, >= 8)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as data:
-        stack = start(UpConfig(model=args.model, port=free_port(), http_port=-1, worker_port=0, scheduler_port=0,
+        stack = start(UpConfig.of(model=args.model, port=free_port(), http_port=-1, worker_port=0, scheduler_port=0,
                                detokenizer_port=0, deliver_port=0, data_dir=data, log_level="WARNING",
                                numerics="fast", prefix_cache=False, frontend_metrics_port=0, scheduler_metrics_port=0, worker_metrics_port=0,
                                detokenizer_metrics_port=0))

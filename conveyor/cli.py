@@ -31,14 +31,15 @@ SERVICES = {
 }
 
 
-def _config_class(service: str):
+def config_class(service: str):
+    """A service's config class and the prefix of its environment variables."""
     module, name, _, _ = SERVICES[service]
     loaded = importlib.import_module(module)
     return getattr(loaded, name), loaded.ENV_PREFIX
 
 
 def _serve(args: argparse.Namespace) -> int:
-    cls, _ = _config_class(args.service)
+    cls, _ = config_class(args.service)
     cfg = from_args(cls, args)  # bad flags fail here, before heavy imports
     logging.getLogger().setLevel(cfg.log_level.upper())
     importlib.import_module(SERVICES[args.service][2]).serve(cfg)
@@ -48,8 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from conveyor.launcher import UpConfig, run
 
-    cfg = from_args(UpConfig, args)
-    logging.getLogger().setLevel(cfg.log_level.upper())
+    cfg = UpConfig.from_args(args)
+    logging.getLogger().setLevel(cfg.setting("log_level").upper())
     return run(cfg)
 
 
@@ -135,18 +136,18 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from conveyor.launcher import ENV_PREFIX as UP_ENV, UpConfig
+    from conveyor.launcher import add_up_arguments
 
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor: an LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start Redis, the four services and the model; Ctrl-C stops them")
-    add_arguments(up, UpConfig, UP_ENV)
+    add_up_arguments(up)
     up.set_defaults(run=_up)
     serve = commands.add_parser("serve", help="run one service of the stack in this process")
     services = serve.add_subparsers(dest="service", required=True)
     for name, (_, _, _, help_text) in SERVICES.items():
         sub = services.add_parser(name, help=help_text)
-        cls, env_prefix = _config_class(name)
+        cls, env_prefix = config_class(name)
         add_arguments(sub, cls, env_prefix)
         sub.set_defaults(run=_serve)
     generate = commands.add_parser("generate", help="stream an answer to a prompt from a running stack")

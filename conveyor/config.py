@@ -4,7 +4,8 @@ Each service describes its settings as one dataclass whose fields carry ``help``
 metadata; ``add_arguments`` turns the fields into ``--flags`` whose defaults may come from
 ``{PREFIX}{FIELD}`` environment variables (read when the command line is parsed, never at
 import time), and ``from_args`` builds the dataclass, whose ``__post_init__`` checks values and
-names the flag in its error.
+names the flag in its error. ``to_argv`` and ``secrets_env`` go back: a config to the command line
+and environment that give it (``conveyor up`` starts its children so).
 """
 
 from __future__ import annotations
@@ -66,17 +67,22 @@ def _base_type(annotation):
     return annotation
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, env_prefix: str) -> None:
-    """Add one ``--flag`` per field of dataclass ``cls``; ``{env_prefix}{NAME}`` overrides defaults."""
+def add_arguments(parser: argparse.ArgumentParser, cls, env_prefix: str, names: set[str] | None = None,
+                  note: dict[str, str] | None = None) -> None:
+    """Add one ``--flag`` per field of dataclass ``cls`` (``names``: only those); ``{env_prefix}{NAME}`` overrides
+    defaults; ``note``: text appended to a field's help."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
+        if "help" not in field.metadata or (names is not None and field.name not in names):
+            continue  # a field not made by ``setting`` is no flag
         kind = _base_type(hints[field.name])
         env = f"{env_prefix}{field.name.upper()}"
         from_env = _from_environment(env)
         default = field.default if from_env is None else from_env
         meta = dict(field.metadata)
         secret = meta.pop("secret", False)
-        help_text = f"{meta.pop('help', '')} (env {env} or {env}_FILE{_shown(default, secret, from_env is not None)})"
+        help_text = (f"{meta.pop('help', '')}{(note or {}).get(field.name, '')} "
+                     f"(env {env} or {env}_FILE{_shown(default, secret, from_env is not None)})")
         convert = meta.pop("parse", None) or kind
         if kind is bool:
             if isinstance(default, str):
@@ -113,6 +119,27 @@ def _convert(convert, text: str, env: str, secret: bool = False):
 def from_args(cls, namespace: argparse.Namespace):
     """Build dataclass ``cls`` from parsed arguments (its ``__post_init__`` validates)."""
     return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+
+def to_argv(cfg) -> list[str]:
+    """The inverse of ``from_args``: the flags that give ``cfg``, for the fields that differ from their defaults,
+    secrets left out (they go through the environment: ``secrets_env``)."""
+    argv = []
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if value == field.default or field.metadata.get("secret"):
+            continue
+        if isinstance(value, bool):
+            argv.append(flag(field.name) if value else "--no-" + flag(field.name)[2:])
+        elif value is not None:
+            argv += [flag(field.name), *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return argv
+
+
+def secrets_env(cfg, env_prefix: str) -> dict[str, str]:
+    """The secret fields of ``cfg`` that are set, as the environment variables its service reads them from."""
+    return {f"{env_prefix}{f.name.upper()}": str(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+            if f.metadata.get("secret") and getattr(cfg, f.name) != f.default}
 
 
 def require(condition: bool, name: str, message: str) -> None:

@@ -34,16 +34,38 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor import grpc_util
-from conveyor.config import parse_size, redact, require, setting
+from conveyor.config import add_arguments, redact, require, secrets_env, setting, to_argv
 from conveyor.errors import ConfigError
 
 log = logging.getLogger("conveyor.up")
 ENV_PREFIX = "CONVEYOR_UP_"
 
 
+# Fields of the service configs the stack sets for each child (where it listens, whom it calls, its engine's
+# name): not flags of ``conveyor up``. Every other field of every service is one (``service_settings``).
+ADDRESSING = frozenset({"host", "port", "http_port", "internal_host", "internal_port", "advertise", "worker",
+                        "detokenizer", "engine", "redis_url", "metrics_port"})
+GRPC_SERVICE = {"worker": "conveyor.v1.Worker", "scheduler": "conveyor.v1.Scheduler",
+                "detokenizer": "conveyor.v1.Detokenizer", "frontend": "conveyor.v1.Frontend"}
+
+
+def service_settings() -> dict[str, list[str]]:
+    """Each service setting ``conveyor up`` passes on -> the services (in start order) that have it."""
+    from conveyor.cli import SERVICES, config_class  # noqa: PLC0415 - the registry of services lives there
+
+    settings: dict[str, list[str]] = {}
+    for service in SERVICES:
+        for f in dataclasses.fields(config_class(service)[0]):
+            if f.name not in ADDRESSING:
+                settings.setdefault(f.name, []).append(service)
+    return settings
+
+
 @dataclass
 class UpConfig:
-    model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a .gguf file, or a Hugging Face folder")
+    """The stack's own settings. ``settings``: the services' (``--numerics``, ``--max-num-seqs``, ...; each given
+    to every service that has it), from the flags ``conveyor up`` takes from the service configs."""
+
     host: str = setting("127.0.0.1", "address of the public API (0.0.0.0 to accept other machines)")
     port: int = setting(50051, "port of the public API")
     http_port: int = setting(8000, "port of the OpenAI-compatible HTTP API (-1: off)")
@@ -57,46 +79,65 @@ class UpConfig:
     scheduler_metrics_port: int = setting(9102, "scheduler /metrics port (0: any free port)")
     worker_metrics_port: int = setting(9103, "worker /metrics port (0: any free port)")
     detokenizer_metrics_port: int = setting(9104, "detokenizer /metrics port (0: any free port)")
-    metrics_host: str = setting("127.0.0.1", "address of every /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
-    device: str = setting("auto", "worker device: auto, cpu, cuda or cuda:N")
-    numerics: str = setting("fast", "worker numerics on the CPU kernels: exact (the dequantized fp32 product) or "
-                                    "fast (int8 activations for decode batches, as llama.cpp)",
-                            choices=("exact", "fast"))
-    quantize: str = setting("none", "worker: quantize dense linear weights (a Hugging Face folder's) at load to "
-                                    "q8_0 or q4_0 blocks (none: as stored)", choices=("none", "q8_0", "q4_0"))
-    kv_cache_bytes: int | None = setting(None, "worker KV cache budget, e.g. 512M", parse=parse_size)
-    block_size: int = setting(16, "tokens per KV block")
-    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)")
-    max_num_batched_tokens: int = setting(0, "tokens per step (0: by device)")
-    max_num_seqs: int = setting(0, "running requests (0: by device)")
-    max_waiting: int = setting(1024, "waiting-queue bound")
     engines: int = setting(1, "engines (a worker and its scheduler each) behind the frontend")
-    engine_ttl: float = setting(3.0, "seconds an engine stays registered without a heartbeat before another takes "
-                                     "over its requests")
-    prefix_cache: bool = setting(True, "reuse the KV of prompt prefixes already computed (--no-prefix-cache: off)")
-    finished_ttl: float = setting(600.0, "seconds finished requests stay in Redis")
-    redis_prefix: str = setting("conveyor", "prefix of every Redis key")
-    log_level: str = setting("INFO", "logging level of every service")
     ready_timeout: float = setting(300.0, "seconds to wait for every service to report SERVING")
     max_restarts: int = setting(5, "restarts of one child within a minute before the stack gives up (0: never restart)")
-    api_keys_file: str = setting("", "file of API keys for the public API, one 'name:key' per line")
-    max_streams_per_key: int = setting(0, "most streams one API key may have open (0: no limit)")
-    shared_prefix_cache: bool = setting(False, "every API key reuses every other's cached prompt prefixes "
-                                               "(default: each key its own)")
-    allowed_origins: str = setting("*", "origins a browser may call the HTTP API from (CORS), comma-separated; '*': "
-                                        "any (vLLM's default); '': none")
     internal_tls: bool = setting(True, "internal services talk mutual TLS (only the stack's own processes may call "
                                        "them), with certificates made at first start in --data-dir/credentials or a "
                                        "temporary folder; CONVEYOR_INTERNAL_TLS_DIR names your own")
-    tls_cert: str = setting("", "PEM certificate of the public API (with --tls-key: TLS)")
-    tls_key: str = setting("", "PEM private key of the public API")
+    settings: dict = field(default_factory=dict)  # no flag of its own: each service setting is one
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.ready_timeout > 0, "ready_timeout", "must be > 0")
         require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         require(1 <= self.engines <= 64, "engines", f"must be in [1, 64], got {self.engines}")
-        require(bool(self.tls_cert) == bool(self.tls_key), "tls_key", "and --tls-cert go together")
+        known = service_settings()
+        for name in self.settings:
+            require(name in known, name, "is no setting of conveyor up or of a service it starts")
+        for service in GRPC_SERVICE:
+            self.service(service)  # each service checks its settings now, naming the flag
+
+    @classmethod
+    def of(cls, **values) -> UpConfig:
+        """From keyword arguments: the stack's fields, and service settings by their field names."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"settings"}
+        return cls(**{k: v for k, v in values.items() if k in own},
+                   settings={k: v for k, v in values.items() if k not in own})
+
+    @classmethod
+    def from_args(cls, namespace) -> UpConfig:
+        """From ``conveyor up``'s parsed flags."""
+        return cls.of(**{name: getattr(namespace, name)
+                         for name in [*(f.name for f in dataclasses.fields(cls) if f.name != "settings"),
+                                      *service_settings()]})
+
+    def service(self, name: str):
+        """The config of service ``name`` with this stack's settings (its addresses still the defaults)."""
+        from conveyor.cli import config_class  # noqa: PLC0415
+
+        cls = config_class(name)[0]
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in self.settings.items() if k in names})
+
+    def setting(self, name: str):
+        """A service setting as the stack runs it (its default when not given)."""
+        service = service_settings()[name][0]
+        return getattr(self.service(service), name)
+
+
+def add_up_arguments(parser) -> None:
+    """``conveyor up``'s flags: the stack's, then every service setting once (its help says who takes it)."""
+    from conveyor.cli import config_class  # noqa: PLC0415
+
+    add_arguments(parser, UpConfig, ENV_PREFIX)
+    done: set[str] = set()
+    shared = service_settings()
+    for name in dict.fromkeys(s for services in shared.values() for s in services):
+        mine = {n for n, services in shared.items() if services[0] == name}
+        note = {n: f" [{', '.join(shared[n])}]" for n in mine}
+        add_arguments(parser, config_class(name)[0], ENV_PREFIX, names=mine - done, note=note)
+        done |= mine
 
 
 _HANDED_OUT: set[int] = set()
@@ -213,11 +254,6 @@ class Stack:
         return stop
 
 
-def _security_flags(cfg: UpConfig) -> list[str]:
-    flags = ["--api-keys-file", cfg.api_keys_file] if cfg.api_keys_file else []
-    return flags + (["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key] if cfg.tls_cert else [])
-
-
 def _serve(service: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "conveyor.cli", "serve", service, *flags]
 
@@ -298,8 +334,40 @@ def _start_redis(cfg: UpConfig, stack: Stack) -> str:
     raise TimeoutError("redis-server did not answer")
 
 
+def plan(cfg: UpConfig, redis_url: str) -> list[tuple[str, object, str]]:
+    """The children in start order: (name, service config, the address its health is polled at). Ports the
+    stack's config leaves at 0 (and those of every engine after the first) are free ones."""
+    def port(name: str, i: int = 0) -> int:
+        return (getattr(cfg, f"{name}_port") if i == 0 else 0) or free_port()
+
+    detokenizer = f"127.0.0.1:{port('detokenizer')}"
+    deliver = port("deliver")
+    workers, schedulers = [], []
+    for i in range(cfg.engines):
+        suffix = f"-{i}" if i else ""
+        worker, scheduler = port("worker", i), port("scheduler", i)
+        workers.append((f"worker{suffix}", dataclasses.replace(
+            cfg.service("worker"), port=worker, metrics_port=port("worker_metrics", i)), f"127.0.0.1:{worker}"))
+        schedulers.append((f"scheduler{suffix}", dataclasses.replace(
+            cfg.service("scheduler"), port=scheduler, engine=f"engine-{i}", advertise=f"127.0.0.1:{scheduler}",
+            worker=f"127.0.0.1:{worker}", detokenizer=detokenizer, redis_url=redis_url,
+            metrics_port=port("scheduler_metrics", i)), f"127.0.0.1:{scheduler}"))
+    return [
+        *workers,
+        ("detokenizer", dataclasses.replace(cfg.service("detokenizer"), port=int(detokenizer.rsplit(":", 1)[1]),
+                                            redis_url=redis_url, metrics_port=port("detokenizer_metrics")), detokenizer),
+        *schedulers,
+        ("frontend", dataclasses.replace(cfg.service("frontend"), host=cfg.host, port=cfg.port, http_port=cfg.http_port,
+                                         internal_port=deliver, detokenizer=detokenizer, redis_url=redis_url,
+                                         metrics_port=port("frontend_metrics")),
+         f"127.0.0.1:{deliver}"),  # its internal port (plain gRPC even with TLS on the public one)
+    ]
+
+
 def start(cfg: UpConfig) -> Stack:
     """Start Redis and the services, wait until all are SERVING; the caller stops the stack."""
+    from conveyor.cli import config_class  # noqa: PLC0415
+
     stack = Stack()
     # the ports given explicitly are taken later (the public ones last, by the frontend): never hand them out
     _HANDED_OUT.update(getattr(cfg, f.name) for f in dataclasses.fields(cfg)
@@ -308,61 +376,19 @@ def start(cfg: UpConfig) -> Stack:
         stack.redis_url = cfg.redis_url or _start_redis(cfg, stack)
         stack.internal_tls_dir = _internal_tls_dir(cfg)
         tls_env = {grpc_util.INTERNAL_TLS_ENV: stack.internal_tls_dir} if stack.internal_tls_dir else {}
-        ports = {name: getattr(cfg, f"{name}_port") or free_port() for name in ("detokenizer", "deliver")}
-        metrics = {name: getattr(cfg, f"{name}_metrics_port") or free_port() for name in ("detokenizer", "frontend")}
-        common = ["--log-level", cfg.log_level, "--metrics-host", cfg.metrics_host]
-        redis_flags = ["--redis-prefix", cfg.redis_prefix]
-        detokenizer = f"127.0.0.1:{ports['detokenizer']}"
-        workers, schedulers = [], []
-        for i in range(cfg.engines):
-            suffix = f"-{i}" if i else ""
-            port = {n: (getattr(cfg, f"{n}_port") if i == 0 else 0) or free_port() for n in ("worker", "scheduler")}
-            mport = {n: (getattr(cfg, f"{n}_metrics_port") if i == 0 else 0) or free_port() for n in ("worker", "scheduler")}
-            worker_flags = ["--model", cfg.model, "--port", str(port["worker"]), "--device", cfg.device,
-                            "--numerics", cfg.numerics, "--quantize", cfg.quantize, "--block-size", str(cfg.block_size), *common,
-                            "--metrics-port", str(mport["worker"])]
-            if cfg.kv_cache_bytes is not None:
-                worker_flags += ["--kv-cache-bytes", str(cfg.kv_cache_bytes)]
-            if cfg.max_model_len is not None:
-                worker_flags += ["--max-model-len", str(cfg.max_model_len)]
-            worker = f"127.0.0.1:{port['worker']}"
-            workers.append((f"worker{suffix}", "worker", worker_flags, worker, "conveyor.v1.Worker"))
-            scheduler = f"127.0.0.1:{port['scheduler']}"
-            schedulers.append((f"scheduler{suffix}", "scheduler", [
-                "--port", str(port["scheduler"]), "--engine", f"engine-{i}", "--advertise", scheduler,
-                "--engine-ttl", str(cfg.engine_ttl), "--worker", worker, "--detokenizer", detokenizer,
-                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--max-num-seqs", str(cfg.max_num_seqs),
-                "--max-waiting", str(cfg.max_waiting), "--finished-ttl", str(cfg.finished_ttl),
-                "--prefix-cache" if cfg.prefix_cache else "--no-prefix-cache", *redis_flags, *common,
-                "--metrics-port", str(mport["scheduler"])], scheduler, "conveyor.v1.Scheduler"))
-        plan = [
-            *workers,
-            ("detokenizer", "detokenizer", ["--model", cfg.model, "--port", str(ports["detokenizer"]), *redis_flags,
-                                            *common, "--metrics-port", str(metrics["detokenizer"])],
-             detokenizer, "conveyor.v1.Detokenizer"),
-            *schedulers,
-            ("frontend", "frontend", ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
-                                      "--http-port", str(cfg.http_port), "--internal-port", str(ports["deliver"]),
-                                      "--detokenizer", detokenizer, "--max-streams-per-key", str(cfg.max_streams_per_key),
-                                      "--allowed-origins", cfg.allowed_origins,
-                                      "--shared-prefix-cache" if cfg.shared_prefix_cache else "--no-shared-prefix-cache",
-                                      *_security_flags(cfg), *redis_flags, *common,
-                                      "--metrics-port", str(metrics["frontend"])],
-             f"127.0.0.1:{ports['deliver']}", "conveyor.v1.Frontend"),  # its internal port: plain gRPC even with TLS on
-        ]
-        for name, service, flags, health, grpc_service in plan:
-            argv = _serve(service, *flags)
-            env = dict(os.environ, **{f"CONVEYOR_{service.upper()}_REDIS_URL": stack.redis_url}, **tls_env)
-            metrics_port = flags[flags.index("--metrics-port") + 1]
-            stack.children.append(Child(name, _popen(argv, env), health, grpc_service, argv,
-                                        f"{cfg.metrics_host}:{metrics_port}", env=env))
+        for name, config, health in plan(cfg, stack.redis_url):
+            service = name.split("-")[0]
+            argv = _serve(service, *to_argv(config))
+            env = dict(os.environ, **secrets_env(config, config_class(service)[1]), **tls_env)
+            stack.children.append(Child(name, _popen(argv, env), health, GRPC_SERVICE[service], argv,
+                                        f"{config.metrics_host}:{config.metrics_port}", env=env))
         deadline = time.monotonic() + cfg.ready_timeout
         for child in stack.children:
             if child.health:
                 _wait_serving(child, deadline)
         stack.endpoint = f"{cfg.host}:{cfg.port}"
         if cfg.http_port >= 0:
-            scheme = "https" if cfg.tls_cert else "http"
+            scheme = "https" if cfg.setting("tls_cert") else "http"
             stack.http_endpoint = f"{scheme}://{cfg.host}:{cfg.http_port}"
         return stack
     except BaseException:
@@ -382,7 +408,7 @@ def run(cfg: UpConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     stack = start(cfg)
     engines = f" on {cfg.engines} engines" if cfg.engines > 1 else ""
-    print(f"Conveyor is serving {cfg.model}{engines} at {stack.endpoint} (Redis {redact(stack.redis_url)}). "
+    print(f"Conveyor is serving {cfg.setting('model')}{engines} at {stack.endpoint} (Redis {redact(stack.redis_url)}). "
           "Ctrl-C stops it.", flush=True)
     print(f'  try: conveyor generate --target {stack.endpoint} "The capital of France is"', flush=True)
     if stack.http_endpoint:

@@ -119,7 +119,7 @@ def start_stack(data_dir, **overrides) -> launcher.Stack:
     Exact numerics unless overridden: tests compare greedy outputs across batchings and with transformers."""
     settings = dict(port=free_port(), http_port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0, deliver_port=0,
                     data_dir=str(data_dir), log_level="WARNING", numerics="exact", **FREE_METRICS_PORTS)
-    return launcher.start(launcher.UpConfig(**(settings | overrides)))
+    return launcher.start(launcher.UpConfig.of(**(settings | overrides)))
 
 
 @contextlib.contextmanager

@@ -175,3 +175,32 @@ def test_compose_keeps_monitoring_on_loopback_and_secrets_in_files():
     assert args.api_keys_file == "/run/secrets/api_keys" and frontend["secrets"] == ["api_keys"]
     assert not any("API_KEYS" in name and not name.endswith("_FILE") for name in frontend["environment"])
     assert compose["secrets"]["api_keys"]["file"].endswith("deploy/api-keys.empty}")
+
+
+def _compose_containers():
+    """(service, command) of every Conveyor service in ``docker-compose.yml``."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name, service in compose["services"].items():
+        if service.get("image", "").split(":")[0] == "conveyor" and service["command"][0] == "serve":
+            yield name, service["command"]
+
+
+def test_compose_and_kubernetes_commands_are_what_conveyor_up_renders_for_their_configs(objects):
+    """Each Conveyor container's command, parsed with the real CLI into its service's config, is rendered back
+    by the function ``conveyor up`` starts its children with (``to_argv``) to a command line that gives the same
+    config: the three deployments speak one mapping of settings to flags."""
+    from conveyor.cli import config_class
+    from conveyor.config import from_args, to_argv
+
+    commands = [["serve", *c["args"]] if c["args"][0] != "serve" else c["args"]
+                for _, _, c, _ in _conveyor_containers(objects)]
+    commands += [command for _, command in _compose_containers()]
+    assert len(commands) >= 8
+    parser = build_parser()
+    for command in commands:
+        args = parser.parse_args([POD_ENV.get(a, a) for a in command])
+        cls = config_class(args.service)[0]
+        config = from_args(cls, args)
+        rendered = to_argv(config)
+        assert from_args(cls, parser.parse_args(["serve", args.service, *rendered])) == config, command
+        assert set(rendered) <= set(command) | {"--no-" + a[2:] for a in command}, command  # nothing it did not say

@@ -95,3 +95,63 @@ def test_a_dead_child_is_restarted_and_one_that_keeps_dying_stops_the_stack(up):
     os.kill(second, signal.SIGKILL)  # a second death within a minute: over --max-restarts 1
     assert _wait(proc) != 0
     assert not [c for c in children if Path(f"/proc/{c}").exists()]
+
+
+# ---------------------------------------------------------------- the children's command lines
+
+
+CHECKED_VALUES = {"device": "cpu", "log_level": "DEBUG", "allowed_origins": "https://example.test"}
+
+
+def _other_value(field, kind):
+    """A valid value of a setting other than its default."""
+    choices = field.metadata.get("choices")
+    if choices:
+        return next(c for c in choices if c != field.default)
+    if kind is bool:
+        return not field.default
+    if kind is float:
+        return field.default / 2 if field.default else 2.5
+    if kind is int:
+        return (field.default or 0) + 3
+    return f"{field.default or 'x'}-set"
+
+
+def test_every_service_setting_reaches_its_children_through_conveyor_up():
+    """Each field of each service's config (but where it listens and whom it calls, which the stack sets) is a
+    flag of ``conveyor up``; given a value other than its default, it is on the command line of every child
+    whose service has it (a secret in its environment instead), and that command line parses back to that
+    value with the real CLI. So a new service flag reaches ``conveyor up`` with no edit."""
+    import dataclasses
+    import typing
+
+    from conveyor.cli import build_parser, config_class
+    from conveyor.config import _base_type, from_args, secrets_env, to_argv
+    from conveyor.launcher import ADDRESSING, GRPC_SERVICE, UpConfig, plan, service_settings
+
+    settings = service_settings()
+    assert {"numerics", "max_num_seqs", "max_grammar_bytes", "orphan_timeout", "model"} <= settings.keys()
+    parser = build_parser()
+    up_flags = {a.dest for a in parser._subparsers._group_actions[0].choices["up"]._actions}
+    assert settings.keys() <= up_flags
+    for service in GRPC_SERVICE:
+        cls, env_prefix = config_class(service)
+        hints = typing.get_type_hints(cls)
+        values = {f.name: _other_value(f, _base_type(hints[f.name])) for f in dataclasses.fields(cls)
+                  if f.name not in ADDRESSING}
+        values.update({k: v for k, v in CHECKED_VALUES.items() if k in values})
+        cfg = UpConfig.of(**values)
+        (name, config, _), *_ = [c for c in plan(cfg, "redis://:pw@127.0.0.1:1/0") if c[0] == service]
+        argv, env = ["serve", service, *to_argv(config)], secrets_env(config, env_prefix)
+        for key, value in env.items():
+            os.environ[key] = value
+        try:
+            parsed = from_args(cls, build_parser().parse_args(argv))  # the environment is read as the CLI starts
+        finally:
+            for key in env:
+                del os.environ[key]
+        assert parsed == config
+        for setting_name, value in values.items():
+            assert getattr(parsed, setting_name) == value, (service, setting_name)
+        assert not any("redis://" in a or "pw" in a for a in argv)
+
