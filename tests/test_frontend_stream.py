@@ -30,3 +30,64 @@ def test_a_merged_delta_stops_at_the_finish_and_later_ones_wait():
     stream.offer(Delta("key", 2, "c", 2, [3]))
     second = stream.take()
     assert (second.text, second.token_ids, second.first_token_index, second.finish_reason) == ("bc", [2, 3], 1, None)
+
+
+class _SlowDelta(Delta):
+    """A replayed delta that takes its time to be read: its second read of ``first_token_index`` (in the middle
+    of ``offer``, after the stream's counters were read) waits until live delivery had its chance to run."""
+
+    def __init__(self, *args, reading, go, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reading, self._go, self._reads = reading, go, 0
+
+    def __getattribute__(self, name):
+        if name == "first_token_index":
+            self._reads += 1
+            if self._reads == 2:
+                self._reading.set()
+                self._go.wait(0.5)
+        return super().__getattribute__(name)
+
+
+def test_a_replay_overlapping_live_delivery_reaches_the_client_exactly_once():
+    """A stream behind Redis asks for a replay (fetched on the pool) while Deliver keeps handing it live
+    deltas on the loop: the client gets every character and token exactly once, in order. (When the replay
+    was offered from the pool thread, a live delta landing in the middle of it was sent twice.)"""
+    import asyncio
+    import threading
+
+    from conveyor.metrics import Metrics
+    from tokenizer_svc.frontend import Frontend
+    from tokenizer_svc.streaming import Blocking, RequestTimer, follow
+
+    reading, go = threading.Event(), threading.Event()
+
+    def replay(request_id, address):  # the detokenizer's replay from Redis: everything so far, and the end
+        return [_SlowDelta("key", 0, "Hello", 0, [10, 11], reading=reading, go=go),
+                Delta("key", 5, " world", 2, [12], finish_reason="stop", prompt_tokens=3, completion_tokens=3)]
+
+    frontend = Frontend(None, None, None, "fe:1", submit=None, abort=lambda rid: True, replay=replay)
+    stream = ClientStream("key", prompt_tokens=3)
+    frontend.streams["key"] = stream
+    metrics = Metrics("frontend")
+
+    async def run():
+        frontend.deliver([Delta("key", 0, "Hel", 0, [10])])
+        stream.behind = True  # a delta went missing: the next keep_up replays
+
+        async def live():  # the detokenizer's next live delta, arriving while the replay is being offered
+            while not reading.is_set():
+                await asyncio.sleep(0.001)
+            frontend.deliver([Delta("key", 3, "lo", 1, [11])])
+            go.set()
+
+        deliverer = asyncio.create_task(live())
+        got = [d async for d in follow(stream, Blocking(frontend, threads=2), RequestTimer(metrics), metrics)]
+        await deliverer
+        return got
+
+    got = asyncio.run(run())
+    assert "".join(d.text for d in got) == "Hello world"
+    assert [t for d in got for t in d.token_ids] == [10, 11, 12]
+    assert [d.first_token_index for d in got] == sorted(d.first_token_index for d in got)
+    assert got[-1].finish_reason == "stop"

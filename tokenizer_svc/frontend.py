@@ -10,6 +10,11 @@ that starts past what the client has (one before it was lost) is not forwarded: 
 A stream that hears nothing for ``STALL_SECONDS`` compares itself with Redis; if Redis is still
 ahead at the next look (a delivery was lost while some process restarted, not merely in flight),
 it asks for a replay too. So no token is lost or repeated whichever process restarts.
+
+A stream's state belongs to the event loop: every delta is offered there, the live ones by Deliver and
+the replayed ones by ``follow`` once the replay (fetched on the pool, ``keep_up``) is back, so a replay
+that overlaps live delivery cannot repeat or skip text. What runs on the pool (``open``, ``resume``,
+``keep_up``) only reads a stream's counters or sets ``behind``.
 """
 
 from __future__ import annotations
@@ -69,10 +74,11 @@ class ClientStream:
         self.scores_prompt = False  # it asked for prompt_logprobs: the first delta brings them (from Redis)
         self.prompt_ids: list[int] = []  # with scores_prompt: the prompt (echoed with its scores)
         self._queue: queue.Queue[ClientDelta] = queue.Queue()
-        self.wake: Callable[[], None] = lambda: None  # called after each delta queued (from any thread)
+        self.wake: Callable[[], None] = lambda: None  # called after each delta queued
+        self.replayed: list[Delta] = []  # fetched off the loop by keep_up: offered by follow, on the loop
 
     def offer(self, d: Delta) -> None:
-        """Queue the unseen part of a delta (called from the Deliver handler's thread)."""
+        """Queue the unseen part of a delta. On the event loop only (Deliver, and ``follow`` for replays)."""
         if self.finished:
             return
         if d.first_token_index > self.num_tokens or d.text_offset > self.text_len:
@@ -92,6 +98,12 @@ class ClientStream:
             out.prompt_tokens, out.completion_tokens = d.prompt_tokens, d.completion_tokens
         self._queue.put(out)
         self.wake()
+
+    def offer_replayed(self) -> None:
+        """Offer what the last replay brought (on the loop, once ``keep_up`` is back)."""
+        replayed, self.replayed = self.replayed, []
+        for d in replayed:
+            self.offer(d)
 
     def take(self) -> ClientDelta | None:
         """The next delta, merged with those already queued behind it (a frontend that fell behind by a
@@ -261,7 +273,8 @@ class Frontend:
         return (record.error if record is not None else None) or "the server could not compute this request"
 
     def keep_up(self, stream: ClientStream, claim: bool = False) -> None:
-        """Called while a stream waits: replay it from Redis when it is behind (see the module doc).
+        """Called while a stream waits (on the pool): replay it from Redis when it is behind (see the module
+        doc), into ``stream.replayed`` for ``follow`` to offer on the loop.
         ``claim``: deliver to this frontend from now on (a client resumed here); a stream that is merely
         behind never moves delivery (it may be a stale one whose client resumed elsewhere)."""
         now = time.monotonic()
@@ -289,8 +302,7 @@ class Frontend:
             stream.behind = True
             return
         stream.behind = False
-        for d in deltas:
-            stream.offer(d)
+        stream.replayed += deltas
 
     def _unregister(self, request_id: str) -> ClientStream | None:
         with self.lock:

@@ -26,10 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from conveyor import grpc_util
 from conveyor.errors import ConveyorError, NotFound
 from conveyor.metrics import Metrics
 from conveyor.params import SEED_RANGE
+from tokenizer_svc.access import Access
 from tokenizer_svc.frontend import ClientStream, Frontend
 from tokenizer_svc.openai_bodies import (MAX_N, HttpError, body_field, chat_messages, error_response, from_conveyor,
                                          int_list, prompts_of, sampling_input, structured_input)
@@ -69,14 +69,14 @@ class RequestIds:
 
 class OpenAIApi:
     def __init__(self, frontend: Frontend, io: Blocking, metrics: Metrics, model_name: str,
-                 auth: grpc_util.AioAuthInterceptor, request_timeout: float = 0.0, allowed_origins: str = "*"):
+                 access: Access, request_timeout: float = 0.0, allowed_origins: str = "*"):
         """``allowed_origins``: the CORS origins, comma-separated ("*": any, "": none)."""
         self.allowed_origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
         self.frontend = frontend
         self.io = io
         self.metrics = metrics
         self.model = model_name
-        self.auth = auth
+        self.access = access
         self.request_timeout = request_timeout
         self.created = int(time.time())
         self.serving = True  # follows the scheduler's health (``/health``)
@@ -110,7 +110,7 @@ class OpenAIApi:
     # ------------------------------------------------------------ plumbing
 
     def _owner(self, request: Request) -> str:
-        return self.auth.identify(request.headers.items())
+        return self.access.identify(request.headers.items())
 
     def _observe(self, route: str, status: int, started: float) -> None:
         self.metrics.http_requests.labels(route=route, status=str(status)).inc()
@@ -273,7 +273,7 @@ class OpenAIApi:
                     prompt_ids=prompt if isinstance(prompt, list) else None,
                     # n seeded choices differ, and reproduce
                     sampling={**common.sampling, "seed": (seed + i) % SEED_RANGE if seed is not None else None}))
-        self.auth.open_stream(owner, len(inputs))  # each choice is a stream, as a gRPC stream is
+        self.access.open_stream(owner, len(inputs))  # each choice is a stream, as a gRPC stream is
         opened: list[ClientStream] = []
         try:
             for inp in inputs:
@@ -289,9 +289,9 @@ class OpenAIApi:
         except BaseException:
             for s in opened:
                 self.io.close(s)
-            self.auth.close_stream(owner, len(inputs))
+            self.access.close_stream(owner, len(inputs))
             raise
         try:
             return JSONResponse(await reply.whole(request))
         finally:
-            self.auth.close_stream(owner, len(inputs))
+            self.access.close_stream(owner, len(inputs))

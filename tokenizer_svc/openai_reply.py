@@ -183,7 +183,7 @@ class Reply:
         finally:
             for task in tasks:
                 task.cancel()
-            self.api.auth.close_stream(owner, len(self.streams))
+            self.api.access.close_stream(owner, len(self.streams))
 
     def _tool_chunks(self, index: int, item: ClientDelta, held: HeldText, finish: str | None) -> list[dict]:
         """A delta of a chat with tools: the content that can go now (a possible call is held back), and at

@@ -35,6 +35,7 @@ from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from conveyor.wire import FINISH_FROM_PB, FINISH_TO_PB, logprobs_to_pb
+from tokenizer_svc.access import OWNER, Access, ApiKeys, AuthInterceptor
 from tokenizer_svc.config import FrontendConfig
 from tokenizer_svc.frontend import ClientDelta, Frontend
 from tokenizer_svc.openai_api import OpenAIApi
@@ -204,7 +205,7 @@ class DetokenizerClient:
 
 class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
     """The public API on the event loop (see the module doc). The caller's API key name (its requests'
-    owner) is in ``grpc_util.OWNER``, set by the auth interceptor."""
+    owner) is in ``access.OWNER``, set by the auth interceptor."""
 
     def __init__(self, frontend: Frontend, info: conveyor_pb2.ServerInfoResponse, metrics: Metrics,
                  request_timeout: float = 0.0, io: Blocking | None = None):
@@ -217,7 +218,7 @@ class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
     async def Generate(self, request, context):
         timer = RequestTimer(self.metrics)
         try:
-            stream = await self.io.open(self.frontend.open, input_from_pb(request), grpc_util.OWNER.get())
+            stream = await self.io.open(self.frontend.open, input_from_pb(request), OWNER.get())
         except ConveyorError as exc:
             self.metrics.requests_rejected.labels(reason=exc.code.lower()).inc()
             raise
@@ -226,13 +227,13 @@ class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
 
     async def Resume(self, request, context):
         stream = await self.io.open(self.frontend.resume, request.request_id, request.token_index,
-                                    request.text_offset, grpc_util.OWNER.get())
+                                    request.text_offset, OWNER.get())
         self.metrics.resumed_streams.inc()
         async for delta in follow(stream, self.io, RequestTimer(self.metrics), self.metrics, self.request_timeout):
             yield client_delta_to_pb(delta)
 
     async def Abort(self, request, context):
-        aborted = await self.io.run(self.frontend.abort, request.request_id, grpc_util.OWNER.get())
+        aborted = await self.io.run(self.frontend.abort, request.request_id, OWNER.get())
         return conveyor_pb2.AbortResponse(aborted=aborted)
 
     async def Tokenize(self, request, context):
@@ -349,7 +350,7 @@ def serve(cfg: FrontendConfig) -> None:
     metrics = Metrics("frontend")
     engines = EnginesClient(Registry(store), metrics)
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
-    keys = grpc_util.ApiKeys.load(cfg.api_keys_file, cfg.api_keys)
+    access = Access(ApiKeys.load(cfg.api_keys_file, cfg.api_keys), cfg.max_streams_per_key, cfg.max_streams)
     sinfo = engines.info()
     limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings,
                     max_prompt_tokens=cfg.max_prompt_tokens, max_stop_token_ids=cfg.max_stop_token_ids,
@@ -371,9 +372,8 @@ def serve(cfg: FrontendConfig) -> None:
         internal_health = await grpc_util.add_aio_health_and_reflection(internal, [INTERNAL_SERVICE])
         frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
         internal_port = grpc_util.bind_internal(internal, cfg.internal_host, cfg.internal_port)
-        auth = grpc_util.AioAuthInterceptor(keys, cfg.max_streams_per_key, cfg.max_streams)
         # beyond max_streams calls at once, gRPC answers RESOURCE_EXHAUSTED instead of queueing them unseen
-        public = grpc_util.make_aio_server(metrics=metrics, interceptors=[auth], max_message_bytes=cfg.max_message_bytes,
+        public = grpc_util.make_aio_server(metrics=metrics, interceptors=[AuthInterceptor(access)], max_message_bytes=cfg.max_message_bytes,
                                            max_concurrent_rpcs=cfg.max_streams + 8, options=grpc_util.PUBLIC_KEEPALIVE)
         public_health = await grpc_util.add_aio_health_and_reflection(public, [PUBLIC_SERVICE])
         io = Blocking(frontend)
@@ -381,7 +381,7 @@ def serve(cfg: FrontendConfig) -> None:
             ConveyorService(frontend, info, metrics, cfg.request_timeout, io), public)
         tls = grpc_util.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
         port = grpc_util.bind(public, cfg.host, cfg.port, tls)
-        http = OpenAIApi(frontend, io, metrics, sinfo.model_name, auth, cfg.request_timeout,
+        http = OpenAIApi(frontend, io, metrics, sinfo.model_name, access, cfg.request_timeout,
                          cfg.allowed_origins) if cfg.http_port >= 0 else None
         await internal.start()
         await public.start()
@@ -390,7 +390,7 @@ def serve(cfg: FrontendConfig) -> None:
         await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], True, metrics)
         watch = asyncio.create_task(follow_engines(engines, public_health, metrics, http))
         log.info("frontend serving %s on %s:%d%s%s%s (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name,
-                 cfg.host, port, " with TLS" if tls else "", f", {len(keys.digests)} API keys" if keys else "",
+                 cfg.host, port, " with TLS" if tls else "", f", {len(access.keys.digests)} API keys" if access.keys else "",
                  f", OpenAI HTTP API on port {cfg.http_port}" if http else "", cfg.internal_host, internal_port,
                  cfg.metrics_host, metrics_port)
 

@@ -1,15 +1,15 @@
 """Following a client stream on the event loop, for every public API of the frontend (gRPC and HTTP).
 
 ``follow`` yields a request's deltas as the detokenizer delivers them, without a thread per stream:
-Deliver (on the same loop) or a replay (on the pool) wakes the stream's coroutine. What blocks (Redis,
-the scheduler's Submit and Abort) runs on ``Blocking``'s small thread pool, off the loop.
+Deliver (on the same loop) wakes the stream's coroutine, and a replay fetched on the pool is offered by
+the coroutine itself, so a stream is only ever changed on the loop. What blocks (Redis, the scheduler's
+Submit and Abort) runs on ``Blocking``'s small thread pool, off the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -92,10 +92,8 @@ async def follow(stream: ClientStream, io: Blocking, timer: RequestTimer, metric
     """A stream's deltas until it finishes. The caller stops iterating (or is cancelled) when its client
     goes away: ``finally`` then closes the stream, which aborts the request. Raises ``DeadlineExceeded``
     after ``timeout`` seconds (0: none), and ``ConveyorError`` with the reason when the request failed."""
-    loop, here = asyncio.get_running_loop(), threading.get_ident()
     ready = asyncio.Event()
-    # deltas come from Deliver (this loop) or from a replay on the pool (another thread)
-    stream.wake = lambda: ready.set() if threading.get_ident() == here else loop.call_soon_threadsafe(ready.set)
+    stream.wake = ready.set  # every delta is offered on this loop (Deliver, or the replays offered here)
     metrics.client_streams.inc()
     deadline = time.monotonic() + timeout if timeout else None
     ended = False
@@ -106,6 +104,7 @@ async def follow(stream: ClientStream, io: Blocking, timer: RequestTimer, metric
                 timer.finished("abort", stream.prompt_tokens)
                 raise DeadlineExceeded(f"the request ran longer than {timeout:g} s (--request-timeout)")
             ready.clear()
+            stream.offer_replayed()  # a resume's replay, or the last keep_up's
             delta = stream.take()
             if delta is None:
                 try:
