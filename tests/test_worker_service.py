@@ -59,6 +59,11 @@ def test_info_describes_model_and_cache(stub, default_model):
     assert info.num_blocks == KV_BYTES // info.block_bytes
 
 
+def step(stub, request: pb.StepRequest) -> pb.StepResponse:
+    """One step on its own ``StepStream`` (as the scheduler sends them, without the one queued behind)."""
+    return next(iter(stub.StepStream(iter([request]))))
+
+
 def _pb_chunk(seq_id, tokens, start, blocks=(), sampling=None, prompt_len=0):
     chunk = pb.SequenceChunk(seq_id=seq_id, token_ids=tokens, start_pos=start, new_block_ids=list(blocks),
                              sample=True, num_prompt_tokens=prompt_len)
@@ -68,10 +73,10 @@ def _pb_chunk(seq_id, tokens, start, blocks=(), sampling=None, prompt_len=0):
 
 
 def _generate(stub, seq_id, prompt, blocks, steps, sampling):
-    reply = stub.Step(pb.StepRequest(step_id=1, chunks=[_pb_chunk(seq_id, prompt, 0, blocks, sampling, len(prompt))]))
+    reply = step(stub, pb.StepRequest(step_id=1, chunks=[_pb_chunk(seq_id, prompt, 0, blocks, sampling, len(prompt))]))
     tokens = [reply.tokens[0].token_id]
     for i in range(steps - 1):
-        reply = stub.Step(pb.StepRequest(step_id=2 + i, chunks=[_pb_chunk(seq_id, [tokens[-1]], len(prompt) + i)]))
+        reply = step(stub, pb.StepRequest(step_id=2 + i, chunks=[_pb_chunk(seq_id, [tokens[-1]], len(prompt) + i)]))
         assert reply.step_id == 2 + i
         tokens.append(reply.tokens[0].token_id)
     return tokens
@@ -97,17 +102,17 @@ def test_steps_over_grpc_give_the_in_process_tokens(stub, default_model):
     assert _generate(stub, "s", prompt, range(8, 16), 12, seeded) == _reference(
         default_model, prompt, 12, SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     )
-    stub.Step(pb.StepRequest(free_seq_ids=["g", "s"]))
+    step(stub, pb.StepRequest(free_seq_ids=["g", "s"]))
 
 
 def test_logprobs_come_back_with_the_token(stub):
-    reply = stub.Step(pb.StepRequest(chunks=[_pb_chunk("lp", [1, 2, 3], 0, [20], SamplingOptions(temperature=0.0, logprobs=4), 3)]))
+    reply = step(stub, pb.StepRequest(chunks=[_pb_chunk("lp", [1, 2, 3], 0, [20], SamplingOptions(temperature=0.0, logprobs=4), 3)]))
     token = reply.tokens[0]
     assert token.seq_id == "lp" and len(token.top_logprobs) == 4
     assert token.top_logprobs[0].token_id == token.token_id  # greedy picks the most likely
     assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)
     assert reply.compute_seconds > 0
-    stub.Step(pb.StepRequest(free_seq_ids=["lp"]))
+    step(stub, pb.StepRequest(free_seq_ids=["lp"]))
 
 
 MALFORMED = {
@@ -124,18 +129,18 @@ def test_malformed_step_is_invalid_argument_and_harmless(stub, default_model, na
     bad, message = MALFORMED[name]
     prompt = default_model.tokenizer.encode("The capital of Italy is")
     greedy = SamplingOptions(temperature=0.0)
-    first = stub.Step(pb.StepRequest(chunks=[_pb_chunk("keep", prompt, 0, [30, 31], greedy, len(prompt))]))
+    first = step(stub, pb.StepRequest(chunks=[_pb_chunk("keep", prompt, 0, [30, 31], greedy, len(prompt))]))
     token = first.tokens[0].token_id
     with pytest.raises(grpc.RpcError) as err:
-        stub.Step(pb.StepRequest(chunks=[_pb_chunk("keep", [token], len(prompt)), bad]))
+        step(stub, pb.StepRequest(chunks=[_pb_chunk("keep", [token], len(prompt)), bad]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     rest = [token]
     for i in range(5):  # the rejected step computed nothing: "keep" continues where it was
-        reply = stub.Step(pb.StepRequest(chunks=[_pb_chunk("keep", [rest[-1]], len(prompt) + i)]))
+        reply = step(stub, pb.StepRequest(chunks=[_pb_chunk("keep", [rest[-1]], len(prompt) + i)]))
         rest.append(reply.tokens[0].token_id)
     assert rest == _reference(default_model, prompt, 6, SamplingParams(temperature=0.0))
-    stub.Step(pb.StepRequest(free_seq_ids=["keep"]))
+    step(stub, pb.StepRequest(free_seq_ids=["keep"]))
 
 
 def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default_model):
@@ -203,7 +208,7 @@ def test_step_stream_runs_queued_steps_in_order(stub, default_model):
         next(replies)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown sequence" in err.value.details()
     requests.put(None)
-    stub.Step(pb.StepRequest(free_seq_ids=["st"]))
+    step(stub, pb.StepRequest(free_seq_ids=["st"]))
 
 
 def test_the_gpu_kv_budget_follows_vllms_memory_utilization():

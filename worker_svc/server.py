@@ -90,10 +90,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def Info(self, request, context):
         return self.info
 
-    def Step(self, request, context):
-        step = step_from_pb(request, self.limits)
-        return self.compute.submit(self._run, request.step_id, step).result()
-
     def StepStream(self, request_iterator, context):
         """Steps are read ahead on their own thread and queued on the compute thread as they arrive,
         so the next step is waiting there while the answer to this one travels back."""

@@ -39,11 +39,6 @@ class WorkerStub:
                 request_serializer=conveyor_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_worker__pb2.InfoResponse.FromString,
                 _registered_method=True)
-        self.Step = channel.unary_unary(
-                '/conveyor.v1.Worker/Step',
-                request_serializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-                response_deserializer=conveyor_dot_v1_dot_worker__pb2.StepResponse.FromString,
-                _registered_method=True)
         self.StepStream = channel.stream_stream(
                 '/conveyor.v1.Worker/StepStream',
                 request_serializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
@@ -61,18 +56,11 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Step(self, request, context):
-        """One engine step: one forward pass over a mixed batch of prompt chunks and decode tokens.
-        A malformed step fails with INVALID_ARGUMENT and changes nothing.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def StepStream(self, request_iterator, context):
-        """The same steps over one stream, run strictly in the order sent. The scheduler keeps the next
-        step queued behind the running one so the worker never waits for it; a malformed step ends
-        the stream with INVALID_ARGUMENT (after the steps before it ran).
+        """Engine steps over one stream, run strictly in the order sent: each one forward pass over a
+        mixed batch of prompt chunks and decode tokens. The scheduler keeps the next step queued behind
+        the running one so the worker never waits for it; a malformed step changes nothing and ends the
+        stream with INVALID_ARGUMENT (after the steps before it ran).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,11 +73,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=conveyor_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_worker__pb2.InfoResponse.SerializeToString,
-            ),
-            'Step': grpc.unary_unary_rpc_method_handler(
-                    servicer.Step,
-                    request_deserializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.FromString,
-                    response_serializer=conveyor_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
             'StepStream': grpc.stream_stream_rpc_method_handler(
                     servicer.StepStream,
@@ -124,33 +107,6 @@ class Worker:
             '/conveyor.v1.Worker/Info',
             conveyor_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             conveyor_dot_v1_dot_worker__pb2.InfoResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Step(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/conveyor.v1.Worker/Step',
-            conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-            conveyor_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
