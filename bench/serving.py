@@ -78,13 +78,14 @@ def bare(runner: ModelRunner, concurrency: int, prompt_ids: list[int], max_token
     begin = time.perf_counter()
     for r in range(rounds):
         ids = [f"r{r}s{i}" for i in range(concurrency)]
-        chunks = [SeqChunk(s, prompt_ids, 0, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy, len(prompt_ids))
+        chunks = [SeqChunk(s, prompt_ids, 0, new_block_ids=list(range(i * per_seq, (i + 1) * per_seq)), sample=True,
+                           sampling=greedy, num_prompt_tokens=len(prompt_ids))
                   for i, s in enumerate(ids)]
         last = {x.seq_id: x.sampled.token_id for x in runner.step(StepInput(chunks))}
         for step in range(max_tokens - 1):
             pos = len(prompt_ids) + step
             last = {x.seq_id: x.sampled.token_id for x in
-                    runner.step(StepInput([SeqChunk(s, [t], pos, [], True) for s, t in last.items()]))}
+                    runner.step(StepInput([SeqChunk(s, [t], pos, new_block_ids=[], sample=True) for s, t in last.items()]))}
         runner.step(StepInput([], free_seq_ids=ids))
         tokens += concurrency * max_tokens
     return tokens / (time.perf_counter() - begin)

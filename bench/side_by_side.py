@@ -196,7 +196,8 @@ def prefill_rates(bin_dir: Path, model: Path, threads: int, numerics: str) -> tu
     rates = []
     for i in range(4):
         start = time.perf_counter()
-        runner.step(StepInput([SeqChunk(f"p{i}", ids, 0, list(range(33)), True, SamplingParams(temperature=0.0), 512)]))
+        runner.step(StepInput([SeqChunk(f"p{i}", ids, 0, new_block_ids=list(range(33)), sample=True,
+                                        sampling=SamplingParams(temperature=0.0), num_prompt_tokens=512)]))
         rates.append(512 / (time.perf_counter() - start))
         runner.step(StepInput([], free_seq_ids=[f"p{i}"]))
     done = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "512", "-n", "0",

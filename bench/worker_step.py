@@ -52,12 +52,13 @@ def ours_decode(runner: ModelRunner, ids: torch.Tensor, steps: int, warmup: int 
     for b in range(batch):
         table = list(range(next_block, next_block + blocks_per_seq))
         next_block += blocks_per_seq
-        out = runner.step(StepInput([SeqChunk(f"s{b}", ids[b].tolist(), 0, table, True, GREEDY, length)]))
+        out = runner.step(StepInput([SeqChunk(f"s{b}", ids[b].tolist(), 0, new_block_ids=table, sample=True,
+                                              sampling=GREEDY, num_prompt_tokens=length)]))
         last[f"s{b}"] = out[0].sampled.token_id
     for i in range(warmup + steps):
         if i == warmup:
             start = time.perf_counter()
-        chunks = [SeqChunk(s, [t], length + i, [], True) for s, t in last.items()]
+        chunks = [SeqChunk(s, [t], length + i, new_block_ids=[], sample=True) for s, t in last.items()]
         last = {r.seq_id: r.sampled.token_id for r in runner.step(StepInput(chunks))}
     seconds = time.perf_counter() - start
     runner.step(StepInput([], free_seq_ids=list(last)))
@@ -68,9 +69,11 @@ def ours_prefill(runner: ModelRunner, ids: torch.Tensor) -> float:
     batch, length = ids.shape
     bs = runner.cache.block_size
     per = (length + bs - 1) // bs
-    chunks = [SeqChunk(f"p{b}", ids[b].tolist(), 0, list(range(b * per, (b + 1) * per)), True, GREEDY, length)
+    chunks = [SeqChunk(f"p{b}", ids[b].tolist(), 0, new_block_ids=list(range(b * per, (b + 1) * per)), sample=True,
+                       sampling=GREEDY, num_prompt_tokens=length)
               for b in range(batch)]
-    runner.step(StepInput([SeqChunk("warm", ids[0, :16].tolist(), 0, [0], True, GREEDY, 16)]))  # warm-up
+    runner.step(StepInput([SeqChunk("warm", ids[0, :16].tolist(), 0, new_block_ids=[0], sample=True, sampling=GREEDY,
+                                    num_prompt_tokens=16)]))  # warm-up
     runner.step(StepInput([], free_seq_ids=["warm"]))
     start = time.perf_counter()
     runner.step(StepInput(chunks))

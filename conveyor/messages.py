@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 
 @dataclass
@@ -11,6 +11,7 @@ class Delta:
 
     request_id: str
     text_offset: int
+    _: KW_ONLY
     text: str = ""
     first_token_index: int = 0
     token_ids: list[int] = field(default_factory=list)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -70,6 +70,7 @@ class RequestRecord:
     request_id: str  # the request's key (``new_request_key``)
     prompt_ids: list[int]
     params: RequestParams
+    _: KW_ONLY
     frontend: str = ""
     arrival: float = field(default_factory=time.time)
     status: str = "waiting"

@@ -62,12 +62,13 @@ class Request:
     def to_record(self, now: float) -> RequestRecord:
         """The whole Redis record as this scheduler knows it (to restore one Redis lost)."""
         finished = self.status is Status.FINISHED
-        return RequestRecord(
-            self.request_id, self.prompt_ids, self.params, self.frontend, self.arrival, self.status.value,
-            len(self.output_ids), self.first_token_time, now if finished else None, self.finish_reason,
-            self.stopped_by_token, self.owner, list(self.output_ids), self.client_id, self.error, self.engine,
-            self.prompt_logprobs if self.output_ids else None, self.cached_tokens,
-        )
+        return RequestRecord(self.request_id, self.prompt_ids, self.params, frontend=self.frontend,
+                             arrival=self.arrival, status=self.status.value, num_output=len(self.output_ids),
+                             first_token=self.first_token_time, finish=now if finished else None,
+                             finish_reason=self.finish_reason, stopped_by_token=self.stopped_by_token, owner=self.owner,
+                             output_ids=list(self.output_ids), client_id=self.client_id, error=self.error,
+                             engine=self.engine, prompt_logprobs=self.prompt_logprobs if self.output_ids else None,
+                             cached_tokens=self.cached_tokens)
 
     @property
     def scores_prompt(self) -> bool:

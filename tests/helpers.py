@@ -203,8 +203,8 @@ class TinyScheduler:
                 new = [self.free_blocks.pop() for _ in range(max(need, 0))]
                 s["blocks"] += new
                 sample = start + len(tokens) >= len(s["prompt"])
-                chunks.append(SeqChunk(s["id"], tokens, start, new, sample, s["params"] if start == 0 else None,
-                                       len(s["prompt"])))
+                chunks.append(SeqChunk(s["id"], tokens, start, new_block_ids=new, sample=sample,
+                                       sampling=s["params"] if start == 0 else None, num_prompt_tokens=len(s["prompt"])))
                 s["done"] = start + len(tokens)
             free_ids = [s["id"] for s in finished]
             for s in finished:

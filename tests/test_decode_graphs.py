@@ -100,12 +100,14 @@ def test_each_size_is_captured_once_and_big_batches_run_eager(dense_model, promp
     greedy = SamplingParams(temperature=0.0)
     out = {}
     for r in (runner, reference):
-        step = r.step(StepInput([SeqChunk(f"s{i}", p, 0, [10 + i], True, greedy, len(p)) for i, p in enumerate(prompts)]))
+        step = r.step(StepInput([SeqChunk(f"s{i}", p, 0, new_block_ids=[10 + i], sample=True, sampling=greedy,
+                                          num_prompt_tokens=len(p)) for i, p in enumerate(prompts)]))
         tokens = {x.seq_id: [x.sampled.token_id] for x in step}
         live = list(tokens)
         for n in (5, 5, 2, 2, 2, 1, 1):
             dropped, live = live[n:], live[:n]
-            chunks = [SeqChunk(s, [], len(prompts[int(s[1:])]) + len(tokens[s]) - 1, [], True, decode_last=True)
+            chunks = [SeqChunk(s, [], len(prompts[int(s[1:])]) + len(tokens[s]) - 1, new_block_ids=[], sample=True,
+                               decode_last=True)
                       for s in live]
             for x in r.step(StepInput(chunks, free_seq_ids=dropped)):
                 tokens[x.seq_id].append(x.sampled.token_id)

@@ -10,10 +10,11 @@ def test_deltas_queued_behind_one_go_out_as_one_message():
     stream = ClientStream("key", prompt_tokens=4, client_id="mine")
     woken = []
     stream.wake = lambda: woken.append(1)
-    stream.offer(Delta("key", 0, "Hel", 0, [10], [-0.1]))
-    stream.offer(Delta("key", 3, "lo", 1, [11], [-0.2]))
-    stream.offer(Delta("key", 5, "!", 2, [12], [-0.3], finish_reason="stop", prompt_tokens=4, completion_tokens=3))
-    stream.offer(Delta("key", 6, "late", 3, [13]))  # after the finish: never sent
+    stream.offer(Delta("key", 0, text="Hel", first_token_index=0, token_ids=[10], logprobs=[-0.1]))
+    stream.offer(Delta("key", 3, text="lo", first_token_index=1, token_ids=[11], logprobs=[-0.2]))
+    stream.offer(Delta("key", 5, text="!", first_token_index=2, token_ids=[12], logprobs=[-0.3], finish_reason="stop",
+                       prompt_tokens=4, completion_tokens=3))
+    stream.offer(Delta("key", 6, text="late", first_token_index=3, token_ids=[13]))  # after the finish: never sent
     merged = stream.take()
     assert (merged.request_id, merged.text, merged.token_ids, merged.first_token_index) == ("mine", "Hello!", [10, 11, 12], 0)
     assert merged.logprobs == [-0.1, -0.2, -0.3]
@@ -24,10 +25,10 @@ def test_deltas_queued_behind_one_go_out_as_one_message():
 
 def test_a_merged_delta_stops_at_the_finish_and_later_ones_wait():
     stream = ClientStream("key", prompt_tokens=1)
-    stream.offer(Delta("key", 0, "a", 0, [1]))
+    stream.offer(Delta("key", 0, text="a", first_token_index=0, token_ids=[1]))
     assert stream.take().token_ids == [1]
-    stream.offer(Delta("key", 1, "b", 1, [2]))
-    stream.offer(Delta("key", 2, "c", 2, [3]))
+    stream.offer(Delta("key", 1, text="b", first_token_index=1, token_ids=[2]))
+    stream.offer(Delta("key", 2, text="c", first_token_index=2, token_ids=[3]))
     second = stream.take()
     assert (second.text, second.token_ids, second.first_token_index, second.finish_reason) == ("bc", [2, 3], 1, None)
 
@@ -63,8 +64,9 @@ def test_a_replay_overlapping_live_delivery_reaches_the_client_exactly_once():
     reading, go = threading.Event(), threading.Event()
 
     def replay(request_id, address):  # the detokenizer's replay from Redis: everything so far, and the end
-        return [_SlowDelta("key", 0, "Hello", 0, [10, 11], reading=reading, go=go),
-                Delta("key", 5, " world", 2, [12], finish_reason="stop", prompt_tokens=3, completion_tokens=3)]
+        return [_SlowDelta("key", 0, text="Hello", first_token_index=0, token_ids=[10, 11], reading=reading, go=go),
+                Delta("key", 5, text=" world", first_token_index=2, token_ids=[12], finish_reason="stop",
+                      prompt_tokens=3, completion_tokens=3)]
 
     frontend = Frontend(None, None, None, "fe:1", submit=None, abort=lambda rid: True, replay=replay)
     stream = ClientStream("key", prompt_tokens=3)
@@ -72,13 +74,13 @@ def test_a_replay_overlapping_live_delivery_reaches_the_client_exactly_once():
     metrics = Metrics("frontend")
 
     async def run():
-        frontend.deliver([Delta("key", 0, "Hel", 0, [10])])
+        frontend.deliver([Delta("key", 0, text="Hel", first_token_index=0, token_ids=[10])])
         stream.behind = True  # a delta went missing: the next keep_up replays
 
         async def live():  # the detokenizer's next live delta, arriving while the replay is being offered
             while not reading.is_set():
                 await asyncio.sleep(0.001)
-            frontend.deliver([Delta("key", 3, "lo", 1, [11])])
+            frontend.deliver([Delta("key", 3, text="lo", first_token_index=1, token_ids=[11])])
             go.set()
 
         deliverer = asyncio.create_task(live())

@@ -72,8 +72,9 @@ def _teacher_forced(loaded, texts: list[list[int]]) -> tuple[list[list[int]], li
     per = POSITIONS // 16 + 1
     preds, logprobs = [[] for _ in texts], [[] for _ in texts]
     for pos in range(POSITIONS - 1):
-        chunks = [SeqChunk(f"t{i}", [ids[pos]], pos, list(range(i * per, (i + 1) * per)) if pos == 0 else [], True,
-                           params if pos == 0 else None, 1) for i, ids in enumerate(texts)]
+        chunks = [SeqChunk(f"t{i}", [ids[pos]], pos,
+                           new_block_ids=list(range(i * per, (i + 1) * per)) if pos == 0 else [], sample=True,
+                           sampling=params if pos == 0 else None, num_prompt_tokens=1) for i, ids in enumerate(texts)]
         for result in runner.step(StepInput(chunks)):
             i = int(result.seq_id[1:])
             preds[i].append(result.sampled.token_id)

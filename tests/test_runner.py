@@ -122,13 +122,14 @@ def test_flex_path_reads_blocks_shared_by_a_cached_prefix(dense_model, prompts):
     runner = make_runner(dense_model, num_blocks=16, **FLEX_EAGER)
     shared = [9, 4]  # base's first blocks, full: positions 0..31
     out = {"base": [_start(runner, "base", base, shared + [12])]}
-    chunks = [SeqChunk(f"s{i}", p[32:], 32, shared + [13 + i], True, greedy, len(p), cached_token_ids=p[:32])
+    chunks = [SeqChunk(f"s{i}", p[32:], 32, new_block_ids=shared + [13 + i], sample=True, sampling=greedy,
+                       num_prompt_tokens=len(p), cached_token_ids=p[:32])
               for i, p in enumerate(others)]
     for r in runner.step(StepInput(chunks)):
         out[r.seq_id] = [r.sampled.token_id]
     lengths = {"base": len(base), "s0": len(others[0]), "s1": len(others[1])}
     for step in range(4):
-        decodes = [SeqChunk(s, [], lengths[s] + step, [], True, decode_last=True) for s in out]
+        decodes = [SeqChunk(s, [], lengths[s] + step, new_block_ids=[], sample=True, decode_last=True) for s in out]
         for r in runner.step(StepInput(decodes)):
             out[r.seq_id].append(r.sampled.token_id)
     assert out["base"] == alone_tokens(base)
@@ -139,29 +140,33 @@ def test_flex_path_reads_blocks_shared_by_a_cached_prefix(dense_model, prompts):
 
 
 def _start(runner, seq_id, prompt, blocks):
-    out = runner.step(StepInput([SeqChunk(seq_id, prompt, 0, blocks, True, SamplingParams(temperature=0.0), len(prompt))]))
+    out = runner.step(StepInput([SeqChunk(seq_id, prompt, 0, new_block_ids=blocks, sample=True,
+                                          sampling=SamplingParams(temperature=0.0), num_prompt_tokens=len(prompt))]))
     return out[0].sampled.token_id
 
 
 def _continue(runner, seq_id, token, pos, steps):
     tokens = []
     for i in range(steps):
-        token = runner.step(StepInput([SeqChunk(seq_id, [token], pos + i, [], True)]))[0].sampled.token_id
+        token = runner.step(StepInput([SeqChunk(seq_id, [token], pos + i, new_block_ids=[], sample=True)]))[0].sampled.token_id
         tokens.append(token)
     return tokens
 
 
 BAD_STEPS = {
-    "block id out of range": (SeqChunk("x", [1, 2], 0, [10**6], True, SamplingParams(), 2), "block id 1000000"),
+    "block id out of range": (SeqChunk("x", [1, 2], 0, new_block_ids=[10**6], sample=True, sampling=SamplingParams(),
+                                       num_prompt_tokens=2), "block id 1000000"),
     "position past max model length": (
-        SeqChunk("x", [7] * 8193, 0, [0], True, SamplingParams(), 8193), "position 8192 is past the max model length 8192"
+        SeqChunk("x", [7] * 8193, 0, new_block_ids=[0], sample=True, sampling=SamplingParams(), num_prompt_tokens=8193), "position 8192 is past the max model length 8192"
     ),
-    "unknown sequence": (SeqChunk("nobody", [1], 5, [], True), "unknown sequence"),
-    "token outside vocabulary": (SeqChunk("x", [49152], 0, [0], True, SamplingParams(), 1), "outside the vocabulary"),
-    "no sampling parameters": (SeqChunk("x", [1], 0, [0], True, None, 1), "sampling parameters"),
-    "too few blocks": (SeqChunk("x", list(range(40)), 0, [0], True, SamplingParams(), 40), "blocks hold 16 tokens"),
-    "wrong start position": (SeqChunk("a", [5], 3, [], True), "start_pos 3"),
-    "empty chunk": (SeqChunk("x", [], 0, [0], True, SamplingParams(), 1), "token_ids is empty"),
+    "unknown sequence": (SeqChunk("nobody", [1], 5, new_block_ids=[], sample=True), "unknown sequence"),
+    "token outside vocabulary": (SeqChunk("x", [49152], 0, new_block_ids=[0], sample=True, sampling=SamplingParams(),
+                                          num_prompt_tokens=1), "outside the vocabulary"),
+    "no sampling parameters": (SeqChunk("x", [1], 0, new_block_ids=[0], sample=True, sampling=None, num_prompt_tokens=1), "sampling parameters"),
+    "too few blocks": (SeqChunk("x", list(range(40)), 0, new_block_ids=[0], sample=True, sampling=SamplingParams(),
+                                num_prompt_tokens=40), "blocks hold 16 tokens"),
+    "wrong start position": (SeqChunk("a", [5], 3, new_block_ids=[], sample=True), "start_pos 3"),
+    "empty chunk": (SeqChunk("x", [], 0, new_block_ids=[0], sample=True, sampling=SamplingParams(), num_prompt_tokens=1), "token_ids is empty"),
 }
 
 
@@ -174,7 +179,7 @@ def test_malformed_step_is_rejected_and_leaves_others_intact(default_model, prom
     first = _start(runner, "a", prompt, [1, 2, 3, 4, 5])
     assert first == _start(reference, "a", prompt, [1, 2, 3, 4, 5])
     pos = len(prompt)
-    good = SeqChunk("a", [first], pos, [], True)  # a valid chunk in the same step must not run either
+    good = SeqChunk("a", [first], pos, new_block_ids=[], sample=True)  # a valid chunk in the same step must not run either
     with pytest.raises(InvalidStep, match=message):
         runner.step(StepInput([good, bad] if bad.seq_id != "a" else [bad]))
     assert _continue(runner, "a", first, pos, 8) == _continue(reference, "a", first, pos, 8)
@@ -182,7 +187,7 @@ def test_malformed_step_is_rejected_and_leaves_others_intact(default_model, prom
 
 def test_duplicate_sequence_in_one_step_is_rejected(default_model):
     runner = make_runner(default_model, num_blocks=8)
-    chunk = SeqChunk("d", [1, 2], 0, [0], True, SamplingParams(), 2)
+    chunk = SeqChunk("d", [1, 2], 0, new_block_ids=[0], sample=True, sampling=SamplingParams(), num_prompt_tokens=2)
     with pytest.raises(InvalidStep, match="twice"):
         runner.step(StepInput([chunk, chunk]))
 
@@ -192,7 +197,7 @@ def test_freed_sequence_is_forgotten_and_its_blocks_reusable(default_model, prom
     _start(runner, "a", prompts[1], list(range(8)))
     runner.step(StepInput([], free_seq_ids=["a"]))
     with pytest.raises(InvalidStep, match="unknown sequence"):
-        runner.step(StepInput([SeqChunk("a", [1], len(prompts[1]), [], True)]))
+        runner.step(StepInput([SeqChunk("a", [1], len(prompts[1]), new_block_ids=[], sample=True)]))
     # the same blocks, now owned by another sequence, give that sequence's own answer
     first = _start(runner, "b", prompts[0], list(range(8)))
     assert [first, *_continue(runner, "b", first, len(prompts[0]), 5)] == alone[0][0][:6]
@@ -203,12 +208,13 @@ def test_decode_last_feeds_the_token_sampled_in_the_previous_step(default_model,
     prompt = prompts[0]
     tokens = [_start(runner, "a", prompt, list(range(8)))]
     for i in range(7):  # the scheduler never tells the worker which token it sampled
-        out = runner.step(StepInput([SeqChunk("a", [], len(prompt) + i, [], True, decode_last=True)]))
+        out = runner.step(StepInput([SeqChunk("a", [], len(prompt) + i, new_block_ids=[], sample=True, decode_last=True)]))
         tokens.append(out[0].sampled.token_id)
     assert tokens == alone[0][0][:8]
-    runner.step(StepInput([SeqChunk("b", prompt, 0, [9, 10, 11], False, SamplingParams(), len(prompt))]))
+    runner.step(StepInput([SeqChunk("b", prompt, 0, new_block_ids=[9, 10, 11], sample=False, sampling=SamplingParams(),
+                                    num_prompt_tokens=len(prompt))]))
     with pytest.raises(InvalidStep, match="nothing was sampled"):
-        runner.step(StepInput([SeqChunk("b", [], len(prompt), [], True, decode_last=True)]))
+        runner.step(StepInput([SeqChunk("b", [], len(prompt), new_block_ids=[], sample=True, decode_last=True)]))
 
 
 def test_a_step_of_one_token_runs_on_the_small_step_threads(default_model, prompts, alone):
@@ -220,12 +226,13 @@ def test_a_step_of_one_token_runs_on_the_small_step_threads(default_model, promp
         prompt = prompts[0]
         tokens = [_start(runner, "a", prompt, list(range(8)))]
         assert torch.get_num_threads() == 2  # the prompt: many tokens
-        out = runner.step(StepInput([SeqChunk("a", [], len(prompt), [], True, decode_last=True)]))
+        out = runner.step(StepInput([SeqChunk("a", [], len(prompt), new_block_ids=[], sample=True, decode_last=True)]))
         tokens.append(out[0].sampled.token_id)
         assert torch.get_num_threads() == 1
         _start(runner, "b", prompts[1], list(range(8, 16)))
         assert torch.get_num_threads() == 2
-        tokens.append(runner.step(StepInput([SeqChunk("a", [], len(prompt) + 1, [], True, decode_last=True)]))[0]
+        tokens.append(runner.step(StepInput([SeqChunk("a", [], len(prompt) + 1, new_block_ids=[], sample=True,
+                                                      decode_last=True)]))[0]
                       .sampled.token_id)
         assert torch.get_num_threads() == 1
         assert tokens == alone[0][0][:3]

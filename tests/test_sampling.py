@@ -165,11 +165,12 @@ def test_seeded_draws_survive_a_recompute(default_model, chat_prompts):
     full, _ = TinyScheduler(make_runner(default_model)).run([prompt], 20, [SEEDED])
     runner = make_runner(default_model, num_blocks=64)
     tokens = prompt + full[0][:10]
-    step = StepInput([SeqChunk("r", tokens, 0, list(range(4)), True, SEEDED, len(prompt))])
+    step = StepInput([SeqChunk("r", tokens, 0, new_block_ids=list(range(4)), sample=True, sampling=SEEDED,
+                               num_prompt_tokens=len(prompt))])
     resumed = [runner.step(step)[0].sampled.token_id]
     while len(resumed) < 10:
         pos = len(tokens) + len(resumed) - 1
-        resumed.append(runner.step(StepInput([SeqChunk("r", [resumed[-1]], pos, [], True)]))[0].sampled.token_id)
+        resumed.append(runner.step(StepInput([SeqChunk("r", [resumed[-1]], pos, new_block_ids=[], sample=True)]))[0].sampled.token_id)
     assert resumed == full[0][10:]
 
 

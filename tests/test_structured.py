@@ -71,13 +71,14 @@ def _generate(runner, seq_id: str, prompt: list[int], structured: Structured | N
     (registered with the prompt, as the scheduler re-sends a preempted sequence)."""
     out = []
     tokens = prompt + list(output)
-    chunk = SeqChunk(seq_id, tokens, 0, list(range(8)), True, params, len(prompt), stop=stop, structured=structured)
+    chunk = SeqChunk(seq_id, tokens, 0, new_block_ids=list(range(8)), sample=True, sampling=params,
+                     num_prompt_tokens=len(prompt), stop=stop, structured=structured)
     for i in range(n):
         (r,) = runner.step(StepInput([chunk]))
         out.append((r.sampled.token_id, r.sampled.error))
         if r.sampled.error or r.sampled.token_id in runner.constraints.eos:
             break
-        chunk = SeqChunk(seq_id, [r.sampled.token_id], len(tokens) + i, [], True)
+        chunk = SeqChunk(seq_id, [r.sampled.token_id], len(tokens) + i, new_block_ids=[], sample=True)
     runner.step(StepInput([], [seq_id]))
     return out
 
@@ -116,14 +117,16 @@ def test_a_dead_end_ends_that_sequence_alone(runner, default_model):
     stop = StopParams(min_tokens=20, stop_token_ids=tuple(tok.eos_token_ids))
     greedy = SamplingParams(temperature=0.0)
     alone = _generate(runner, "alone", prompt, None, 6, greedy)
-    chunks = [SeqChunk("stuck", prompt, 0, list(range(8)), True, greedy, len(prompt), stop=stop, structured=stuck),
-              SeqChunk("free", prompt, 0, list(range(8, 16)), True, greedy, len(prompt))]
+    chunks = [SeqChunk("stuck", prompt, 0, new_block_ids=list(range(8)), sample=True, sampling=greedy,
+                       num_prompt_tokens=len(prompt), stop=stop, structured=stuck),
+              SeqChunk("free", prompt, 0, new_block_ids=list(range(8, 16)), sample=True, sampling=greedy,
+                       num_prompt_tokens=len(prompt))]
     errors, free = [], []
     for i in range(6):
         results = {r.seq_id: r.sampled for r in runner.step(StepInput(chunks))}
         free.append(results["free"].token_id)
         errors.append(results["stuck"].error)
-        chunks = [SeqChunk(s, [results[s].token_id], len(prompt) + i, [], True) for s in ("stuck", "free")]
+        chunks = [SeqChunk(s, [results[s].token_id], len(prompt) + i, new_block_ids=[], sample=True) for s in ("stuck", "free")]
     runner.step(StepInput([], ["stuck", "free"]))
     assert errors[0] is None and any(e and "allows no token" in e for e in errors)
     assert free == [t for t, _ in alone]

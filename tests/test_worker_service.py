@@ -84,10 +84,11 @@ def _generate(stub, seq_id, prompt, blocks, steps, sampling):
 
 def _reference(default_model, prompt, steps, params):
     runner = make_runner(default_model, num_blocks=16)
-    out = runner.step(StepInput([SeqChunk("r", prompt, 0, list(range(8)), True, params, len(prompt))]))
+    out = runner.step(StepInput([SeqChunk("r", prompt, 0, new_block_ids=list(range(8)), sample=True, sampling=params,
+                                          num_prompt_tokens=len(prompt))]))
     tokens = [out[0].sampled.token_id]
     for i in range(steps - 1):
-        tokens.append(runner.step(StepInput([SeqChunk("r", [tokens[-1]], len(prompt) + i, [], True)]))[0].sampled.token_id)
+        tokens.append(runner.step(StepInput([SeqChunk("r", [tokens[-1]], len(prompt) + i, new_block_ids=[], sample=True)]))[0].sampled.token_id)
     return tokens
 
 

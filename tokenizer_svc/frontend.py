@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from redis.exceptions import RedisError
 
@@ -43,6 +43,7 @@ class ClientDelta:
     """What the client gets: only text and tokens it has not seen."""
 
     request_id: str
+    _: KW_ONLY
     text: str
     token_ids: list[int]
     first_token_index: int
@@ -90,7 +91,8 @@ class ClientStream:
         tokens, logprobs = d.token_ids[skip:], d.logprobs[skip:]
         if not (text or tokens or d.finish_reason):
             return
-        out = ClientDelta(self.client_id, text, tokens, self.num_tokens, logprobs, d.finish_reason)
+        out = ClientDelta(self.client_id, text=text, token_ids=tokens, first_token_index=self.num_tokens,
+                          logprobs=logprobs, finish_reason=d.finish_reason)
         self.text_len += len(text)
         self.num_tokens += len(tokens)
         if d.finish_reason is not None:
@@ -117,9 +119,10 @@ class ClientStream:
                 more = self._queue.get_nowait()
             except queue.Empty:
                 break
-            out = ClientDelta(out.request_id, out.text + more.text, out.token_ids + more.token_ids,
-                              out.first_token_index, out.logprobs + more.logprobs, more.finish_reason,
-                              more.prompt_tokens, more.completion_tokens)
+            out = ClientDelta(out.request_id, text=out.text + more.text, token_ids=out.token_ids + more.token_ids,
+                              first_token_index=out.first_token_index, logprobs=out.logprobs + more.logprobs,
+                              finish_reason=more.finish_reason, prompt_tokens=more.prompt_tokens,
+                              completion_tokens=more.completion_tokens)
         return out
 
 

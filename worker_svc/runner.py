@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 import torch
 
@@ -47,6 +47,7 @@ class SeqChunk:
     seq_id: str
     token_ids: list[int]  # new tokens to compute, at positions start_pos, start_pos + 1, ...
     start_pos: int
+    _: KW_ONLY
     new_block_ids: list[int] = field(default_factory=list)  # appended to the block table first
     sample: bool = False  # sample a token after the last of token_ids
     sampling: SamplingParams | None = None  # required when the chunk registers the sequence
@@ -240,7 +241,8 @@ class ModelRunner:
         Nothing is registered: the blocks are scratch space the caller owns for this call
         (prompt log-probabilities, and checking the model against a reference).
         """
-        chunk = SeqChunk("\0score", list(token_ids), 0, list(block_ids), False, SamplingParams(), len(token_ids))
+        chunk = SeqChunk("\0score", list(token_ids), 0, new_block_ids=list(block_ids), sample=False,
+                         sampling=SamplingParams(), num_prompt_tokens=len(token_ids))
         self._check_chunk(chunk, known=False)
         staged = {chunk.seq_id: self._staged_state(chunk)}
         input_ids, positions, meta, _ = self._prepare([chunk], staged)

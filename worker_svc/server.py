@@ -52,9 +52,10 @@ def step_from_pb(pb: worker_pb2.StepRequest, limits: Limits) -> StepInput:
     for c in pb.chunks:
         sampling, stop = registration_from_pb(c, limits) if c.HasField("sampling") else (None, StopParams())
         structured = Structured.from_pb(c.structured) if c.HasField("structured") else None
-        chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
-                               sampling, c.num_prompt_tokens, c.decode_last, list(c.cached_token_ids), stop,
-                               structured))
+        chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, new_block_ids=list(c.new_block_ids),
+                               sample=c.sample, sampling=sampling, num_prompt_tokens=c.num_prompt_tokens,
+                               decode_last=c.decode_last, cached_token_ids=list(c.cached_token_ids), stop=stop,
+                               structured=structured))
     return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
 
 
@@ -227,7 +228,8 @@ def profile_step(loaded: LoadedModel, block_size: int, tokens: int, device: torc
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     ids = (torch.arange(tokens) % loaded.config.vocab_size).tolist()
-    runner.step(StepInput([SeqChunk("\0profile", ids, 0, list(range(num_blocks)), True, SamplingParams(), tokens)]))
+    runner.step(StepInput([SeqChunk("\0profile", ids, 0, new_block_ids=list(range(num_blocks)), sample=True,
+                                    sampling=SamplingParams(), num_prompt_tokens=tokens)]))
     if not cuda:
         return GpuMemory(0, 0, 0, 0)
     torch.cuda.synchronize(device)
