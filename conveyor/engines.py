@@ -7,14 +7,15 @@ Layout (under the same prefix as ``conveyor.state``):
     Names of the engines that registered (a dead one leaves once its requests moved elsewhere).
 ``{prefix}:engine:{name}`` hash
     ``address`` (its scheduler, as the other processes reach it), ``model``, ``running``, ``waiting``,
-    ``kv_usage`` (0 to 1), ``serving`` (``1`` while its worker and Redis answer). The scheduler
+    ``kv_usage`` (0 to 1), ``serving`` (``1`` while its worker and Redis answer), ``block_size`` (its
+    KV block's tokens: routing keys prompts by the same blocks as its prefix cache). The scheduler
     rewrites it every ``ttl / 6`` seconds and it expires after ``ttl``: an engine is live while its
     hash exists. That expiry is also the engine's **lease** on its requests: a scheduler writes a
     step only while its last refresh is recent enough (``Lease``), and once the hash expired, another
     engine may take them over.
 ``{prefix}:route:{key}`` string
     The engine that last took a prompt starting with the prefix ``key`` names (the chained hash of
-    ``ROUTE_BLOCK``-token blocks, as the prefix cache keys blocks); expires after ``ROUTE_TTL``.
+    blocks of the engines' block size, as their prefix caches key blocks); expires after ``ROUTE_TTL``.
 A request's hash has ``engine``: the engine that holds it. The frontend sets it when it creates the
 request; it changes only by compare-and-set (``reassign``, ``claim``), so one engine holds a
 request at a time.
@@ -29,10 +30,9 @@ from dataclasses import dataclass
 from conveyor.prefix import chain, root_key, scoped
 from conveyor.state import RequestStore
 
-ROUTE_BLOCK = 16  # tokens per routing block (the default KV block size)
-ROUTE_MAX_BLOCKS = 256  # a prompt's first 4,096 tokens decide its route
+ROUTE_MAX_TOKENS = 4096  # a prompt's first 4,096 tokens decide its route
 ROUTE_TTL = 600.0  # seconds a route entry lives without being taken again
-ROUTE_DEPTHS = tuple(2**i for i in range(9))  # the block depths a request writes (up to ROUTE_MAX_BLOCKS)
+ROUTE_DEPTHS = tuple(2**i for i in range(13))  # the block depths a request writes (as deep as its blocks go)
 
 
 @dataclass
@@ -44,6 +44,7 @@ class EngineInfo:
     waiting: int = 0
     kv_usage: float = 0.0
     serving: bool = True
+    block_size: int = 16
 
     @property
     def load(self) -> int:
@@ -51,13 +52,14 @@ class EngineInfo:
 
     def to_hash(self) -> dict[str, str]:
         return {"address": self.address, "model": self.model, "running": str(self.running),
-                "waiting": str(self.waiting), "kv_usage": f"{self.kv_usage:.4f}", "serving": "1" if self.serving else "0"}
+                "waiting": str(self.waiting), "kv_usage": f"{self.kv_usage:.4f}", "serving": "1" if self.serving else "0",
+                "block_size": str(self.block_size)}
 
     @classmethod
     def from_hash(cls, name: str, raw: dict[bytes, bytes]) -> EngineInfo:
         get = lambda key, default="": raw.get(key.encode(), default.encode()).decode()  # noqa: E731
         return cls(name, get("address"), get("model"), int(get("running", "0")), int(get("waiting", "0")),
-                   float(get("kv_usage", "0")), get("serving", "1") == "1")
+                   float(get("kv_usage", "0")), get("serving", "1") == "1", int(get("block_size", "16")))
 
 
 # KEYS: the engine's hash, the engine set; ARGV: ttl ms, name, then the hash's fields and values.
@@ -187,12 +189,13 @@ class Lease:
 # ---------------------------------------------------------------- routing
 
 
-def route_keys(prompt_ids: list[int], model: str = "", scope: str = "") -> list[str]:
-    """Keys of a prompt's full routing blocks (the last token left out, as the prefix cache does), in its cache
-    ``scope``: routing follows the prefix cache's scopes, so it tells no tenant where another's prefixes are."""
+def route_keys(prompt_ids: list[int], block_size: int, model: str = "", scope: str = "") -> list[str]:
+    """Keys of a prompt's full blocks of ``block_size`` tokens (the last token left out, as the prefix cache
+    does), in its cache ``scope``: routing follows the prefix cache's scopes, so it tells no tenant where
+    another's prefixes are."""
     keys, key = [], scoped(root_key(model), scope)
-    for i in range(min((len(prompt_ids) - 1) // ROUTE_BLOCK, ROUTE_MAX_BLOCKS)):
-        key = chain(key, prompt_ids[i * ROUTE_BLOCK : (i + 1) * ROUTE_BLOCK])
+    for i in range(min((len(prompt_ids) - 1) // block_size, ROUTE_MAX_TOKENS // block_size)):
+        key = chain(key, prompt_ids[i * block_size : (i + 1) * block_size])
         keys.append(key.hex())
     return keys
 
@@ -217,12 +220,14 @@ class Router:
         self._read: list[EngineInfo] | None = None  # the registry's read the loads below follow
         self._gone: set[str] = set()  # engines that did not answer since that read
         self._sent: dict[str, int] = {}  # requests routed to each engine since that read
+        self.block_size = 16  # the live engines' KV block size (the smallest, should they differ)
 
     def engines(self) -> list[EngineInfo]:
         """Live, serving engines (re-read from Redis at most every ``refresh`` seconds)."""
         read = self.registry.live(self.refresh)
         if read is not self._read:
             self._read, self._gone, self._sent = read, set(), {}
+            self.block_size = min((e.block_size for e in read), default=self.block_size)
         return [e for e in read if e.serving and e.name not in self._gone]
 
     def forget(self, name: str) -> None:
@@ -237,7 +242,7 @@ class Router:
             return None
         load = {e.name: e.load + self._sent.get(e.name, 0) for e in engines}
         least = min(engines, key=lambda e: (load[e.name], random.random()))
-        keys = route_keys(prompt_ids, model, scope) if len(engines) > 1 else []
+        keys = route_keys(prompt_ids, self.block_size, model, scope) if len(engines) > 1 else []
         route = Route(least, "balance" if len(engines) > 1 else "only")
         if keys:
             owners = self.registry.redis.mget([f"{self.registry.prefix}:route:{k}" for k in keys])
@@ -256,7 +261,7 @@ class Router:
         """An engine accepted a request: its prompt's prefixes route there from now on. Only the blocks at depths
         1, 2, 4, ... and the last are written (at most ``len(ROUTE_DEPTHS) + 1`` keys a request): a later
         prompt sharing n blocks still finds the deepest written one within them."""
-        keys = route_keys(prompt_ids, model, scope)
+        keys = route_keys(prompt_ids, self.block_size, model, scope)
         if not keys:
             return
         depths = sorted({d for d in ROUTE_DEPTHS if d <= len(keys)} | {len(keys)})

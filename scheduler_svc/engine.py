@@ -187,7 +187,7 @@ class Engine:
             held = tuple(HeldRequest(r.request_id, r.client_id, r.owner, r.status.value, len(b.table(r.request_id)),
                                      len(r.output_ids))
                          for r in (*s.waiting, *s.running) if r.status is not Status.FINISHED) if requests else ()
-            return Snapshot(len(s.running), len(s.waiting), b.num_blocks, b.num_free, b.num_cached,
+            return Snapshot(len(s.running), len(s.waiting), b.block_size, b.num_blocks, b.num_free, b.num_cached,
                             replace(s.counters), b.stats.queries, b.stats.hits, self.health.worker_up,
                             self.health.redis_up, held)
 

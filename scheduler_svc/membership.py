@@ -30,7 +30,8 @@ class Membership:
 
     def info(self) -> EngineInfo:
         s = self.engine.snapshot()
-        return EngineInfo(self.engine.name, self.address, self.model, s.running, s.waiting, s.kv_usage, s.serving)
+        return EngineInfo(self.engine.name, self.address, self.model, s.running, s.waiting, s.kv_usage, s.serving,
+                          s.block_size)
 
     def beat(self) -> None:
         """One heartbeat. When the lease had lapsed, first drop what other engines took meanwhile: the

@@ -30,6 +30,7 @@ class Snapshot:
 
     running: int
     waiting: int
+    block_size: int
     num_blocks: int
     free_blocks: int
     cached_blocks: int

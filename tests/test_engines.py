@@ -107,8 +107,25 @@ def test_a_request_writes_a_bounded_number_of_route_keys_and_only_once_accepted(
 
 
 def test_route_keys_cover_full_blocks_without_the_last_token():
-    assert len(route_keys(list(range(32)))) == 1 and len(route_keys(list(range(33)))) == 2
-    assert route_keys(list(range(40)))[:1] == route_keys(list(range(20)))  # chained: a shared head, one key
+    assert len(route_keys(list(range(32)), 16)) == 1 and len(route_keys(list(range(33)), 16)) == 2
+    assert route_keys(list(range(40)), 16)[:1] == route_keys(list(range(20)), 16)  # chained: a shared head, one key
+    assert len(route_keys(list(range(65)), 32)) == 2 and route_keys(list(range(65)), 32)[0] != route_keys(
+        list(range(65)), 16)[1]  # 32-token blocks are other keys than two 16-token ones
+
+
+def test_the_router_keys_prompts_by_the_engines_block_size(registry):
+    """Engines that cache 32-token blocks register that size: a prompt is routed by the prefixes their caches
+    can hold (a 40-token shared head is one full 32-token block), not by a fixed 16."""
+    for name in ("a", "b"):
+        registry.heartbeat(EngineInfo(name, name, block_size=32), ttl=30)
+    router = Router(registry, refresh=0.0)
+    head = list(range(1000, 1040))
+    first = router.choose(head + [1, 2, 3])
+    router.remember(head + [1, 2, 3], first.engine.name)
+    assert router.block_size == 32
+    assert len(list(registry.redis.scan_iter(f"{registry.prefix}:route:*"))) == 1  # one full block of 32
+    again = router.choose(head + [7, 8, 9])
+    assert (again.engine.name, again.reason, again.matched_blocks) == (first.engine.name, "prefix", 1)
 
 
 def test_an_engine_whose_lease_lapsed_drops_what_another_took_and_keeps_the_rest(registry):
