@@ -212,9 +212,25 @@ def test_truncation_keeps_exactly_the_support_the_filters_define(top_k, top_p, m
     g = torch.Generator().manual_seed(top_k + 7)
     for scale in (0.5, 3.0, 10.0):
         row = torch.randn(5000, generator=g) * scale
-        got, want = truncate(row, top_k, top_p, min_p), _truncate_by_definition(row, top_k, top_p, min_p)
+        got, want = truncate(row[None], [top_k], [top_p], [min_p])[0], _truncate_by_definition(row, top_k, top_p, min_p)
         assert torch.equal(torch.isfinite(got), torch.isfinite(want))
         assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
+
+
+def test_truncation_batched_over_rows_keeps_each_rows_own_support():
+    """One call over rows with different settings (other k, no top-k, no truncation at all): each row keeps
+    exactly the support its own settings define, whatever its neighbours ask."""
+    from worker_svc.sampling import truncate
+
+    settings = [(40, 0.95, 0.05), (0, 0.9, 0.0), (5, 1.0, 0.2), (3000, 0.8, 0.01), (-1, 1.0, 0.0), (1, 0.9, 0.0),
+                (40, 1.0, 0.0), (0, 1.0, 0.1)]
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randn(len(settings), 5000, generator=g) * torch.tensor([0.5, 3.0, 10.0, 1.0] * 2).unsqueeze(1)
+    got = truncate(rows.clone(), *map(list, zip(*settings)))
+    for row, out, (top_k, top_p, min_p) in zip(rows, got, settings):
+        want = _truncate_by_definition(row, top_k, top_p, min_p)
+        assert torch.equal(torch.isfinite(out), torch.isfinite(want)), (top_k, top_p, min_p)
+        assert torch.equal(out[torch.isfinite(out)], want[torch.isfinite(want)])
 
 
 def _bitmask(vocab: int, allowed: list[int]) -> torch.Tensor:

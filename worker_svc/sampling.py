@@ -17,6 +17,7 @@ after preemption. Returned logprobs are of the model's raw distribution (before 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -117,35 +118,54 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """One row (V,) after temperature: -inf outside the min-p, top-k and top-p support, in that order.
+def truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Rows (R, V) after temperature, each with its own settings: -inf outside its min-p, top-k and top-p
+    support, in that order; batched over the rows (the default settings, llama.cpp's top-k 40, top-p 0.95,
+    min-p 0.05, truncate every request).
 
-    With top-k on, top-p runs over the k largest alone (``topk`` returns them sorted): sorting the whole
-    vocabulary for top-p cost ~1.5 ms a row on a 49k vocabulary, and the default settings (llama.cpp's:
-    top-k 40, top-p 0.95, min-p 0.05) truncate every request. Per row, so a row's support depends on its own
-    logits and settings alone, never on its neighbours in the batch."""
-    vocab = logits.shape[-1]
-    if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if 0 < top_k < vocab:
-        values, order = torch.topk(logits, top_k)  # sorted, largest first
-        if top_p < 1.0:
-            values = values.masked_fill(_beyond_top_p(values, top_p), float("-inf"))
-        return torch.full_like(logits, float("-inf")).scatter(0, order, values)
-    if top_p < 1.0:
-        values, order = torch.sort(logits, descending=True)
-        # scattered back, not indexed by the mask: a boolean index would wait for the device
-        logits = logits.scatter(0, order, values.masked_fill(_beyond_top_p(values, top_p), float("-inf")))
-    return logits
+    Nothing here runs over the whole vocabulary but one ``topk``: min-p keeps the tokens whose probability is
+    at least ``min_p`` times the largest, that is whose logit is at least the largest plus ``log(min_p)`` (no
+    softmax), and the largest logit is among the top k, so with top-k on, min-p and top-p run over the k
+    largest alone (``topk`` returns them sorted, largest first; the rows take one ``topk`` of the largest k
+    among them, each cut at its own k). Rows without top-k but with top-p sort the whole row. A row's support
+    depends on its own logits and settings alone, never on its neighbours (up to exactly tied values)."""
+    vocab, device, inf = logits.shape[1], logits.device, float("-inf")
+    floor = torch.tensor([math.log(p) if p > 0.0 else inf for p in min_p], device=device, dtype=logits.dtype)
+    nucleus = torch.tensor(top_p, device=device, dtype=logits.dtype)
+    limited = [i for i, k in enumerate(top_k) if 0 < k < vocab]
+    rest = [i for i in range(len(top_k)) if not 0 < top_k[i] < vocab and (min_p[i] > 0.0 or top_p[i] < 1.0)]
+    if not (limited or rest):
+        return logits
+    every = len(limited) == len(top_k)
+    out = torch.full_like(logits, inf) if every else logits.clone()
+    if limited:
+        ks = torch.tensor([top_k[i] for i in limited], device=device)
+        values, order = torch.topk(logits if every else logits[limited], int(ks.max()))  # sorted, largest first
+        drop = torch.arange(values.shape[1], device=device) >= ks.unsqueeze(1)
+        drop |= values < values[:, :1] + floor[limited].unsqueeze(1)
+        values = values.masked_fill(drop, inf)
+        values = values.masked_fill(_beyond_top_p(values, nucleus[limited]), inf)
+        if every:
+            return out.scatter_(1, order, values)
+        out[limited] = torch.full_like(values[:, :1].expand(-1, vocab), inf).scatter(1, order, values)
+    if rest:
+        x = logits[rest]
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor[rest].unsqueeze(1), inf)
+        if bool((nucleus[rest] < 1.0).any()):
+            values, order = torch.sort(x, dim=-1, descending=True)
+            # scattered back, not indexed by the mask: a boolean index would wait for the device
+            x = x.scatter(1, order, values.masked_fill(_beyond_top_p(values, nucleus[rest]), inf))
+        out[rest] = x
+    return out
 
 
-def _beyond_top_p(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Of logits sorted largest first: those past the smallest prefix whose probability reaches top_p."""
+def _beyond_top_p(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Of rows of logits sorted largest first: those past the smallest prefix whose probability reaches the
+    row's top_p (none where top_p is 1)."""
     probs = torch.softmax(sorted_logits, dim=-1)
-    drop = torch.cumsum(probs, dim=-1) - probs >= top_p
-    drop[0] = False
-    return drop
+    drop = torch.cumsum(probs, dim=-1) - probs >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    return drop & (top_p < 1.0).unsqueeze(1)
 
 
 def _seeded_exponential(vocab: int, row: SampleRow, device) -> torch.Tensor:
@@ -218,11 +238,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         temps = torch.tensor([rows[i].params.temperature for i in drawn], device=device, dtype=logits.dtype)
         scaled = logits[drawn] / temps.unsqueeze(1)  # (R, V)
         q = torch.empty_like(scaled).exponential_(generator=generator)
+        params = [rows[i].params for i in drawn]
+        if any(_needs_truncation(p, vocab) for p in params):
+            scaled = truncate(scaled, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
         for j, i in enumerate(drawn):
-            p = rows[i].params
-            if _needs_truncation(p, vocab):
-                scaled[j] = truncate(scaled[j], p.top_k, p.top_p, p.min_p)
-            if p.seed is not None:
+            if rows[i].params.seed is not None:
                 q[j] = _seeded_exponential(vocab, rows[i], device)
         tokens[drawn] = torch.argmax(torch.softmax(scaled, dim=-1) / q, dim=-1)
     sampled = _to_host(raw, tokens, rows)
