@@ -87,6 +87,9 @@ def done_ids(output: Path) -> set[str]:
 
 
 class Runner:
+    """One ``conveyor batch`` job: the input's request lines sent to the HTTP API, a result line each appended to
+    the output (lines already there are skipped: a run resumes)."""
+
     def __init__(self, cfg: BatchConfig, input_path: str, output_path: str):
         self.cfg = cfg
         self.input, self.output = Path(input_path), Path(output_path)
@@ -140,6 +143,7 @@ class Runner:
                 "response": {"status_code": status, "request_id": reply.get("id", ""), "body": reply}, "error": None}
 
     def run(self) -> int:
+        """Run the job; returns the exit status (0 when every line got a result)."""
         output = self.output
         skip = done_ids(output)
         try:
@@ -179,4 +183,5 @@ def _id() -> str:
 
 
 def run(cfg: BatchConfig, input_path: str, output_path: str) -> int:
+    """``conveyor batch``: run one job; returns the exit status."""
     return Runner(cfg, input_path, output_path).run()

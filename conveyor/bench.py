@@ -40,6 +40,8 @@ WORDS = ("the cat dog sun sea sky red blue tree book road home time day way man 
 
 @dataclass
 class BenchConfig:
+    """Settings of ``conveyor bench`` (flags and ``CONVEYOR_BENCH_*`` environment variables)."""
+
     target: str = setting("127.0.0.1:50051", "the frontend's address (--backend openai: the server's base URL)")
     backend: str = setting("conveyor", "conveyor: the gRPC API through the SDK; openai: POST /v1/completions with "
                                        "stream=true (llama-server, vLLM, ...)", choices=("conveyor", "openai"))
@@ -71,6 +73,8 @@ class BenchConfig:
 
 @dataclass
 class RequestResult:
+    """One request's timings in a level, in seconds since the level started."""
+
     start: float  # seconds since the level started
     ttft: float | None = None
     token_times: list[float] = field(default_factory=list)  # arrival of each output token, since start
@@ -153,6 +157,7 @@ class OpenAIBackend:
         return self.tokenizer.encode(text)
 
     def stream(self, prompt: str) -> Iterator[int]:
+        """Stream one completion; yields the count of output tokens each event brings."""
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 0.0,
                            "stream": True, "ignore_eos": True, "cache_prompt": False,
                            "stream_options": {"include_usage": True}})
@@ -205,6 +210,7 @@ def make_prompts(client, count: int, tokens: int, seed: int) -> list[str]:
 
 
 def one_request(backend, prompt: str, cfg: BenchConfig, level_start: float) -> RequestResult:
+    """Send one request through ``backend`` and time its tokens (an error is recorded, not raised)."""
     result = RequestResult(start=time.perf_counter() - level_start, prompt_tokens=cfg.prompt_tokens)
     try:
         for count in backend.stream(prompt):
@@ -272,6 +278,7 @@ def run_level(backend, prompts: list[str], cfg: BenchConfig, concurrency: int | 
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50, p90 and p99 of ``values`` (None each when there are none)."""
     if not values:
         return {"p50": None, "p90": None, "p99": None}
     if len(values) == 1:
@@ -281,6 +288,7 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def summarize(results: list[RequestResult], wall: float) -> dict:
+    """A level's throughput and latency percentiles over its successful requests."""
     ok = [r for r in results if r.error is None]
     itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
     return {
@@ -294,6 +302,7 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
 
 
 def print_table(levels: list[tuple[str, dict]]) -> None:
+    """The levels as one table on stdout (latencies in milliseconds)."""
     def ms(value):
         return f"{value * 1000:8.1f}" if value is not None else f"{'-':>8}"
 
@@ -309,6 +318,7 @@ def print_table(levels: list[tuple[str, dict]]) -> None:
 
 
 def plot(levels: list[tuple[str, list[RequestResult]]], path: str) -> None:
+    """A PNG at ``path``: each level's token arrivals and its latency percentiles."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -362,6 +372,8 @@ def sweep(backend, cfg: BenchConfig) -> list[tuple[str, list[RequestResult], flo
 
 
 def run(cfg: BenchConfig) -> int:
+    """``conveyor bench``: sweep the levels, print the table (and write the JSON and plot asked for); returns the
+    exit status."""
     if cfg.backend == "openai":
         backend = OpenAIBackend(cfg)
         model = backend.model

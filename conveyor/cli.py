@@ -136,6 +136,7 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole ``conveyor`` command line: every subcommand and its flags."""
     from conveyor.launcher import add_up_arguments
 
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor: an LLM inference server.")
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``conveyor`` with ``argv`` (default: the process's); returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args = build_parser().parse_args(argv)

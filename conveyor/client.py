@@ -52,6 +52,8 @@ from conveyor.wire import FINISH_FROM_PB
 
 @dataclass
 class TokenLogprob:
+    """A token's log-probability and the most likely alternatives at its position."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
@@ -149,6 +151,7 @@ def _structured_pb(spec: dict, message: conveyor_pb2.Structured) -> None:
 
 
 def build_tokenize_request(prompt: str | None, messages: list[dict] | None) -> conveyor_pb2.TokenizeRequest:
+    """The Tokenize request for a prompt or chat messages."""
     request = conveyor_pb2.TokenizeRequest()
     if prompt is not None:
         request.prompt = prompt

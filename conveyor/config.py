@@ -30,6 +30,7 @@ def parse_size(text: str) -> int:
 
 
 def flag(name: str) -> str:
+    """A field's flag: ``max_num_seqs`` -> ``--max-num-seqs``."""
     return "--" + name.replace("_", "-")
 
 

@@ -37,6 +37,8 @@ ROUTE_DEPTHS = tuple(2**i for i in range(13))  # the block depths a request writ
 
 @dataclass
 class EngineInfo:
+    """An engine as its heartbeat registers it: where its scheduler is, its load, and whether it serves."""
+
     name: str
     address: str
     model: str = ""
@@ -158,6 +160,7 @@ class Registry:
         return name.decode() if name is not None else None
 
     def engines_of(self, request_ids: list[str]) -> list[str | None]:
+        """The engine each request's record names (None for a request with no record), in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.hget(self.store.key(request_id), "engine")
@@ -202,6 +205,8 @@ def route_keys(prompt_ids: list[int], block_size: int, model: str = "", scope: s
 
 @dataclass
 class Route:
+    """The engine ``Router.choose`` picked for a request, and why."""
+
     engine: EngineInfo
     reason: str  # "prefix" (an engine has its prefix), "balance" (the least loaded) or "only"
     matched_blocks: int = 0

@@ -72,6 +72,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         context.abort(code, details)
 
     def intercept_service(self, continuation, handler_call_details):
+        """The handler, wrapped so that its errors and a request that does not parse become statuses."""
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler

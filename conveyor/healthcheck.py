@@ -16,6 +16,8 @@ from conveyor import grpc_util
 
 
 def check(address: str, service: str = "", timeout: float = 3.0, public: bool = False) -> bool:
+    """Whether ``service`` at ``address`` reports SERVING on ``grpc.health.v1`` (``public``: a plain channel, not
+    the internal TLS one)."""
     with grpc.insecure_channel(address) if public else grpc_util.internal_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),

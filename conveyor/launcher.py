@@ -157,6 +157,8 @@ def free_port() -> int:
 
 @dataclass
 class Child:
+    """One process of the stack, with what it takes to start it again."""
+
     name: str
     process: subprocess.Popen
     health: str | None = None  # address to poll, None for Redis
@@ -198,6 +200,7 @@ class Stack:
         return grpc_util.internal_channel(self.child(name).health, self.internal_tls_dir or None)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop every child, the frontend first (SIGTERM, then SIGKILL after ``timeout`` seconds)."""
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.terminate()

@@ -22,6 +22,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 @dataclass(frozen=True)
 class Spec:
+    """One Prometheus series: its name, kind, help, the process that exports it and its labels."""
+
     name: str
     kind: type
     help: str
@@ -162,6 +164,7 @@ class Metrics:
 
 
 def names_for(process: str) -> list[str]:
+    """The names of the series ``process`` exports."""
     return [s.name for s in SPECS if s.process in (process, "every")]
 
 

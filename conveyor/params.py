@@ -148,6 +148,7 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def check(self, limits: Limits) -> None:
+        """Raise ``InvalidArgument`` naming the field for a value out of its range or past a limit."""
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             _finite(getattr(self, name), f"sampling.{name}")
         check(self.temperature >= 0, "sampling.temperature", f"must be >= 0, got {self.temperature}")
@@ -186,6 +187,7 @@ class StopParams:
     include_stop_str_in_output: bool = False
 
     def check(self, limits: Limits) -> None:
+        """Raise ``InvalidArgument`` naming the field for a value out of its range or past a limit."""
         check(self.min_tokens >= 0, "stop.min_tokens", f"must be >= 0, got {self.min_tokens}")
         check(self.max_tokens >= 1, "stop.max_tokens", f"must be >= 1, got {self.max_tokens}")
         check(self.min_tokens <= self.max_tokens, "stop.min_tokens",
@@ -235,6 +237,7 @@ class Structured:
 
     @classmethod
     def from_pb(cls, message) -> Structured | None:
+        """From a ``Structured`` message (None when it sets no constraint)."""
         kind = message.WhichOneof("kind")
         if kind is None:
             return None
@@ -244,6 +247,7 @@ class Structured:
         return cls(kind, spec, pattern)
 
     def to_pb(self, message):
+        """Into a ``Structured`` message (``message``, filled in place)."""
         if self.kind == "choice":
             message.choice.choices.extend(json.loads(self.spec))
         elif self.kind == "json_object":
@@ -260,6 +264,8 @@ GROUPS = {"sampling": SamplingParams, "stop": StopParams}  # RequestParams' part
 
 @dataclass(frozen=True)
 class RequestParams:
+    """Everything a request asks for beyond its prompt: the one list of request fields (see the module doc)."""
+
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopParams = field(default_factory=StopParams)
     # scheduling: lower runs first (as vLLM); equal priorities run in arrival order
@@ -284,6 +290,7 @@ class RequestParams:
 
     @classmethod
     def from_json(cls, text: str) -> RequestParams:
+        """From the JSON stored in a request's record (a flat record from before the groups reads too)."""
         raw = json.loads(text)
         if "sampling" not in raw:  # a record written before the groups (flat): sorted by name
             return cls.of(**{k: v for k, v in raw.items() if k in _ALL_NAMES})
@@ -294,6 +301,7 @@ class RequestParams:
 
 
 def field_names(kind) -> set[str]:
+    """The field names of a dataclass."""
     return {f.name for f in fields(kind)}
 
 

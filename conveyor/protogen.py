@@ -14,6 +14,7 @@ PROTO_DIR = ROOT / "protos"
 
 
 def proto_files() -> list[Path]:
+    """The ``.proto`` files of the API, sorted."""
     return sorted((PROTO_DIR / "conveyor" / "v1").glob("*.proto"))
 
 

@@ -67,6 +67,8 @@ def new_request_key() -> str:
 
 @dataclass
 class RequestRecord:
+    """A request as Redis holds it (see the layout in the module doc)."""
+
     request_id: str  # the request's key (``new_request_key``)
     prompt_ids: list[int]
     params: RequestParams
@@ -91,6 +93,7 @@ class RequestRecord:
         self.client_id = self.client_id or self.request_id
 
     def to_hash(self) -> dict[str, str]:
+        """The record's hash fields (its output tokens live in the ``:out`` list, not here)."""
         fields = {
             "request_id": self.request_id, "status": self.status, "prompt_ids": json.dumps(self.prompt_ids),
             "params": self.params.to_json(), "frontend": self.frontend, "arrival": repr(self.arrival),
@@ -178,6 +181,7 @@ class RequestStore:
         return self.get(key) if key is not None else None
 
     def get(self, request_id: str) -> RequestRecord | None:
+        """A request's whole record with its output tokens, read in one round trip; None when Redis has none."""
         pipe = self.redis.pipeline()
         pipe.hgetall(self.key(request_id))
         pipe.lrange(self.out_key(request_id), 0, -1)

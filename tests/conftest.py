@@ -15,7 +15,7 @@ def default_model():
 
 @pytest.fixture(scope="session")
 def dense_model():
-    """The default model on the pure PyTorch path (dense fp32 weights, SDPA): the code CUDA runs."""
+    """The default model on the pure PyTorch path (dense fp32 weights, PyTorch layers, SDPA attention)."""
     from worker_svc.loader import load_model
 
     return load_model("default", cpu_kernels="off")

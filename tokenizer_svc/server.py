@@ -5,9 +5,10 @@ so that the internal service can stay on localhost. Protobuf is converted here a
 
 The public server runs on asyncio: a client stream is a coroutine, not a thread, so the token a
 client receives costs no thread switch (on the thread-per-stream server each token woke the stream's
-thread and waited for gRPC's; ~85 against ~35 us of CPU per message). Deliver stays a thread server:
-it hands each delta to its stream and wakes the stream's coroutine through the event loop. What
-blocks (Redis, the scheduler's Submit and Abort) runs on a small thread pool, off the loop.
+thread and waited for gRPC's; ~85 against ~35 us of CPU per message). The internal server runs on
+the same event loop: Deliver hands each delta to its stream there and wakes the stream's coroutine,
+and a stream's state is only ever changed on the loop (``tokenizer_svc.frontend``). What blocks
+(Redis, the scheduler's Submit and Abort, replays) runs on a small thread pool, off the loop.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ class WorkerConfig:
     max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens (default: the model's)")
     cpu_kernels: str = setting(
         "auto", "on the CPU: keep GGUF Q4_0/Q4_1/Q8_0 weights quantized and run the C kernels (auto: when the "
-        "CPU has AVX2 and a C compiler is present; off: dense fp32 PyTorch, the code CUDA runs)",
+        "CPU has AVX2 and a C compiler is present; off: the weights dequantized to dense fp32 and every layer run "
+        "as PyTorch ops, attention as --attention says)",
         choices=("auto", "on", "off"),
     )
     numerics: str = setting(
