@@ -69,6 +69,10 @@ Publish = Callable[[int, list[Output]], None]
 
 
 class Engine:
+    """One engine's scheduler loop: the thread-safe facade the gRPC handlers call (``submit``, ``abort``,
+    ``finish``, ``adopt``, ``drop_taken``), the step loop on its own thread, its recovery from worker failures,
+    and ``snapshot`` for everything that reports on it."""
+
     def __init__(self, scheduler: Scheduler, store: RequestStore, transport: StepTransport, publish: Publish,
                  eos_token_ids: tuple[int, ...], depth: int = 2, metrics: Metrics | None = None, name: str = "",
                  lease: Lease | None = None):

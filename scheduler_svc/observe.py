@@ -69,6 +69,7 @@ class Health:
         return self.worker_up and self.redis_up
 
     def set(self, worker_up: bool | None = None, redis_up: bool | None = None) -> None:
+        """Record what is up now (None: as it was); ``on_change`` hears it when serving changes."""
         before = self.serving
         if worker_up is not None:
             self.worker_up = worker_up
