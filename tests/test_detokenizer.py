@@ -157,3 +157,76 @@ def test_push_that_cannot_read_redis_reports_the_request_and_keeps_no_state(stor
     core = DetokenizerCore(tokenizer, broken, lambda *a, **k: None)
     assert core.push([TokenEntry(rid, 0, tokenizer.encode(" hi"))]) == ({}, [rid])
     assert rid not in core.streams
+
+
+# ---------------------------------------------------------------- bounded work and the first token's space
+
+
+class _Spy:
+    """The real tokenizer, counting what ``decode`` is given (and whether a lock was held)."""
+
+    def __init__(self, tokenizer, lock=None):
+        self.tokenizer, self.lock = tokenizer, lock
+        self.decoded, self.calls_under_lock, self.calls = 0, 0, 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.decoded += len(ids)
+        self.calls += 1
+        self.calls_under_lock += bool(self.lock is not None and self.lock.locked())
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_output_that_keeps_ending_in_a_broken_character_decodes_in_linear_time(tokenizer):
+    broken = next(i for i in range(512) if tokenizer.decode([i] * 3).endswith("\ufffd"))  # a lone UTF-8 byte
+    spy = _Spy(tokenizer)
+    detok = IncrementalDetokenizer(spy)
+    n = 3000
+    text = "".join(detok.add(broken) for _ in range(n)) + detok.flush()
+    assert text == tokenizer.decode([broken] * n)  # nothing lost: the bytes come out as U+FFFD
+    assert spy.decoded < 20 * n  # not ~n*n/2 (each token decoding everything since the last character)
+
+
+def test_replay_decodes_without_the_lock_every_step_needs(redis_server, tokenizer):
+    store = RequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
+    spy = _Spy(tokenizer)
+    core = DetokenizerCore(spy, store, lambda *a, **k: None)
+    spy.lock = core.lock
+    output = tokenizer.encode(" one two three four five six seven eight nine ten" * 20)
+    record = RequestRecord(uuid.uuid4().hex, tokenizer.encode("Count"), RequestParams(), frontend="fe:1",
+                           output_ids=output)
+    assert store.create(record)
+    store.redis.rpush(store.out_key(record.request_id), *output)
+    frontend, deltas = core.replay(record.request_id)
+    assert "".join(d.text for d in deltas) == tokenizer.decode(output)
+    assert spy.calls > len(output) and spy.calls_under_lock == 0
+    assert core.push([TokenEntry(record.request_id, len(output), tokenizer.encode(" more"))])[0]  # continues
+
+
+def _sentencepiece_folder(folder):
+    """A Llama-2 style tokenizer (metaspace, byte fallback, a decoder that strips the text's first space)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    corpus = ["The capital of France is Paris.", "Paris is a city.", "The capital of Italy is Rome."] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return folder
+
+
+def test_the_first_token_of_a_sentencepiece_model_keeps_its_leading_space(redis_server, tmp_path):
+    from conveyor.tokenizer import tokenizer_from_hf_folder
+
+    tokenizer = tokenizer_from_hf_folder(_sentencepiece_folder(tmp_path / "sp"))
+    prompt, full = tokenizer.encode("The capital of France is"), tokenizer.encode("The capital of France is Paris")
+    assert full[: len(prompt)] == prompt and tokenizer.decode(full[len(prompt):]) == "Paris"  # alone: no space
+    store = RequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
+    record = RequestRecord(uuid.uuid4().hex, prompt, RequestParams(), frontend="fe:1")
+    assert store.create(record)
+    core = DetokenizerCore(tokenizer, store, lambda *a, **k: None)
+    by_frontend, _ = core.push([TokenEntry(record.request_id, 0, full[len(prompt):], "length")])
+    assert "".join(d.text for d in by_frontend["fe:1"]) == " Paris"

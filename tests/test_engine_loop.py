@@ -14,13 +14,14 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from conveyor.engines import EngineInfo, Lease, Registry
+from conveyor.metrics import Metrics
 from conveyor.params import RequestParams
 from conveyor.state import RequestRecord, RequestStore
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.engine import Engine, StepFailed
 from scheduler_svc.membership import Membership
 from scheduler_svc.policy import Answer, Scheduler, StepPlan
-from conveyor.metrics import Metrics
+from scheduler_svc.request import Request
 
 BLOCKS, BLOCK_SIZE, MAX_LEN = 64, 4, 256
 
@@ -338,3 +339,47 @@ def test_an_abort_during_a_step_frees_its_blocks_and_drops_its_result(redis_serv
     assert record.finish_reason == "abort" and len(record.output_ids) < 50
     assert_exact(stack, others)
     assert stack.engine.snapshot().free_blocks == BLOCKS
+
+
+# ---------------------------------------------------------------- the loop's own failure, and what a step writes
+
+
+def test_an_engine_loop_that_dies_says_so_and_goes_not_serving(redis_server):
+    scheduler = Scheduler(BlockManager(8, 4), 32, 16, 4, 4)
+
+    def broken():
+        raise RuntimeError("a bug in the loop (injected)")
+
+    scheduler.schedule = broken
+    store = RequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
+    engine = Engine(scheduler, store, transport=None, publish=lambda *a: None, eos_token_ids=(2,))
+    crashed, health = [], []
+    engine.on_crash, engine.health.on_change = crashed.append, health.append
+    scheduler.free_all = True  # something to do: the loop calls schedule()
+    engine.start()
+    engine._thread.join(timeout=10)
+    assert not engine._thread.is_alive()
+    assert len(crashed) == 1 and "injected" in str(crashed[0]) and health == [False]
+
+
+def test_a_stop_string_finish_during_a_step_does_not_move_the_steps_token(redis_server):
+    store = RequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
+    scheduler = Scheduler(BlockManager(64, 4), 1000, 32, 8, 16)
+    record = RequestRecord(uuid.uuid4().hex, [10, 11, 12], RequestParams.of(max_tokens=50))
+    assert store.create(record)
+    rid = record.request_id
+    scheduler.add(Request.from_record(record, (2,)))
+    engine = Engine(scheduler, store, transport=None, publish=lambda *a: None, eos_token_ids=(2,))
+
+    def step(token: int):
+        plan = scheduler.schedule()
+        return plan, scheduler.update(plan, {rid: (token, None)})
+
+    for token in (20, 21, 22, 23):
+        engine._write_and_publish(*step(token), [])
+    plan, outputs = step(24)  # the step that samples output token 4 is answered...
+    finish = scheduler.finish_at(rid, 2)  # ...and a stop string's Finish cuts the output before it is written
+    engine._write_and_publish(plan, outputs, [])
+    assert store.get(rid).output_ids == [20, 21, 22, 23, 24]  # token 4 at index 4, not at index 2
+    engine._write_and_publish(StepPlan(0, [], []), [], [finish])  # the Finish's own write trims
+    assert store.get(rid).output_ids == [20, 21] and store.get(rid).finish_reason == "stop"

@@ -6,13 +6,15 @@ API keys, TLS and limits, one with mutual TLS.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
 import grpc
 import pytest
 import redis
-from helpers import extra_frontend, start_stack, stop
+import yaml
+from helpers import ROOT, conveyor_command, extra_frontend, start_stack, stop
 
 from conveyor.client import Client
 from conveyor.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
@@ -180,3 +182,97 @@ def test_internal_services_with_mutual_tls_refuse_peers_without_a_certificate(ce
             scheduler_pb2_grpc.SchedulerStub(anonymous).Info(info, timeout=5)
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------- secrets stay out of help, command lines and files
+
+
+def test_help_says_a_secret_is_set_and_never_shows_it():
+    secrets = {"CONVEYOR_FRONTEND_API_KEYS": "alice:topsecret123",
+               **{f"CONVEYOR_{s}_REDIS_URL": "redis://:hunter2pw@redis.example:6379/0"
+                  for s in ("FRONTEND", "SCHEDULER", "DETOKENIZER", "UP")},
+               "CONVEYOR_BENCH_API_KEY": "bench-secret-777"}
+    env = dict(os.environ, **secrets)
+    for args in (["serve", "frontend"], ["serve", "scheduler"], ["serve", "detokenizer"], ["up"], ["bench"]):
+        done = subprocess.run(conveyor_command(*args, "--help"), env=env, capture_output=True, text=True, timeout=120,
+                              cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        help_text = " ".join(done.stdout.split())  # argparse wraps lines
+        for value in ("topsecret123", "hunter2pw", "bench-secret-777"):
+            assert value not in help_text, f"conveyor {' '.join(args)} --help shows a secret"
+        assert "value hidden" in help_text
+
+
+def test_a_setting_can_come_from_a_file_and_stays_hidden(tmp_path, monkeypatch):
+    import argparse
+
+    from conveyor.config import add_arguments, from_args
+    from tokenizer_svc.config import ENV_PREFIX, FrontendConfig
+
+    secret = tmp_path / "redis_url"
+    secret.write_text("redis://:from-a-file-pw@redis:6379/0\n")
+    monkeypatch.setenv(f"{ENV_PREFIX}REDIS_URL_FILE", str(secret))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, FrontendConfig, ENV_PREFIX)
+    assert from_args(FrontendConfig, parser.parse_args([])).redis_url == "redis://:from-a-file-pw@redis:6379/0"
+    assert "from-a-file-pw" not in parser.format_help()
+
+
+def test_compose_stack_has_internal_mutual_tls_and_a_redis_password_by_default():
+    from conveyor.cli import build_parser
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    parser = build_parser()
+    init = parser.parse_args(services["credentials"]["command"])
+    assert init.command == "credentials" and init.folder == "/secrets"
+    assert "conveyor-secrets:/secrets" in services["credentials"]["volumes"]
+    assert services["redis"]["command"][:2] == ["redis-server", "/secrets/redis.conf"]
+    assert services["redis"]["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
+    for name in ("worker", "scheduler", "detokenizer", "frontend"):
+        service = services[name]
+        assert service["environment"]["CONVEYOR_INTERNAL_TLS_DIR"] == "/secrets"
+        assert "conveyor-secrets:/secrets:ro" in service["volumes"]
+        assert not any("redis://" in a for a in service["command"])  # no URL, no password on a command line
+        if name != "worker":
+            assert service["environment"][f"CONVEYOR_{name.upper()}_REDIS_URL_FILE"] == "/secrets/redis_url"
+
+
+def test_credentials_made_at_first_start_secure_a_running_stack(tmp_path, monkeypatch):
+    import redis
+
+    from conveyor.credentials import make_credentials
+    from helpers import free_port
+
+    folder = tmp_path / "secrets"
+    made = make_credentials(folder, redis_host="127.0.0.1")
+    assert sorted(made) == ["ca.pem", "cert.pem", "grafana_password", "key.pem", "redis.conf", "redis_url"]
+    assert make_credentials(folder) == []  # a restart keeps them
+    assert all((folder / name).stat().st_mode & 0o077 == 0 for name in made)
+    port = free_port()
+    server = subprocess.Popen(["redis-server", str(folder / "redis.conf"), "--port", str(port), "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    url = (folder / "redis_url").read_text().strip().replace(":6379/", f":{port}/")
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert redis.Redis.from_url(url).ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port).ping()
+        monkeypatch.setenv("CONVEYOR_INTERNAL_TLS_DIR", str(folder))
+        s = start_stack(tmp_path / "data", kv_cache_bytes=64 << 20, redis_url=url)
+        try:
+            with Client(s.endpoint, timeout=120) as client:
+                assert client.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
+            with grpc.insecure_channel(s.child("scheduler").health) as plain, pytest.raises(grpc.RpcError):
+                scheduler_pb2_grpc.SchedulerStub(plain).Info(scheduler_pb2.SchedulerInfoRequest(), timeout=5)
+        finally:
+            s.stop()
+    finally:
+        server.terminate()
+        server.wait()
