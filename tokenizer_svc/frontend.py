@@ -20,9 +20,9 @@ that overlaps live delivery cannot repeat or skip text. What runs on the pool (`
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 
@@ -74,7 +74,7 @@ class ClientStream:
         self.suspect: tuple[int, bool] | None = None  # Redis's (tokens, finished) at the last look, when ahead
         self.scores_prompt = False  # it asked for prompt_logprobs: the first delta brings them (from Redis)
         self.prompt_ids: list[int] = []  # with scores_prompt: the prompt (echoed with its scores)
-        self._queue: queue.Queue[ClientDelta] = queue.Queue()
+        self._queue: deque[ClientDelta] = deque()  # the loop's alone: no lock
         self.wake: Callable[[], None] = lambda: None  # called after each delta queued
         self.replayed: list[Delta] = []  # fetched off the loop by keep_up: offered by follow, on the loop
 
@@ -98,7 +98,7 @@ class ClientStream:
         if d.finish_reason is not None:
             self.finished = True
             out.prompt_tokens, out.completion_tokens = d.prompt_tokens, d.completion_tokens
-        self._queue.put(out)
+        self._queue.append(out)
         self.wake()
 
     def offer_replayed(self) -> None:
@@ -110,15 +110,11 @@ class ClientStream:
     def take(self) -> ClientDelta | None:
         """The next delta, merged with those already queued behind it (a frontend that fell behind by a
         few steps sends its client one message, not one per token); None when nothing waits."""
-        try:
-            out = self._queue.get_nowait()
-        except queue.Empty:
+        if not self._queue:
             return None
-        while out.finish_reason is None:
-            try:
-                more = self._queue.get_nowait()
-            except queue.Empty:
-                break
+        out = self._queue.popleft()
+        while out.finish_reason is None and self._queue:
+            more = self._queue.popleft()
             out = ClientDelta(out.request_id, text=out.text + more.text, token_ids=out.token_ids + more.token_ids,
                               first_token_index=out.first_token_index, logprobs=out.logprobs + more.logprobs,
                               finish_reason=more.finish_reason, prompt_tokens=more.prompt_tokens,
