@@ -101,6 +101,13 @@ class ClientStream:
         self._queue.append(out)
         self.wake()
 
+    def due(self, now: float) -> bool:
+        """Whether ``Frontend.keep_up`` has work now (a replay, or a look at Redis): without I/O, so that a
+        waiting stream asks the pool only when it does."""
+        if self.finished:
+            return False
+        return self.behind or (now - self.last_activity >= STALL_SECONDS and now - self.last_check >= STALL_SECONDS)
+
     def offer_replayed(self) -> None:
         """Offer what the last replay brought (on the loop, once ``keep_up`` is back)."""
         replayed, self.replayed = self.replayed, []
@@ -277,11 +284,9 @@ class Frontend:
         ``claim``: deliver to this frontend from now on (a client resumed here); a stream that is merely
         behind never moves delivery (it may be a stale one whose client resumed elsewhere)."""
         now = time.monotonic()
-        if stream.finished or (not stream.behind and now - stream.last_activity < STALL_SECONDS):
+        if not stream.due(now):
             return
         if not stream.behind:
-            if now - stream.last_check < STALL_SECONDS:
-                return
             stream.last_check = now
             try:
                 progress = self.store.progress(stream.request_id)

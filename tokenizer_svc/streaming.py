@@ -111,7 +111,8 @@ async def follow(stream: ClientStream, io: Blocking, timer: RequestTimer, metric
                     async with asyncio.timeout(POLL_SECONDS):
                         await ready.wait()
                 except TimeoutError:
-                    await io.run(io.frontend.keep_up, stream)
+                    if stream.due(time.monotonic()):  # the pool only for a stream with I/O to do
+                        await io.run(io.frontend.keep_up, stream)
                 continue
             if delta.finish_reason == "error":  # the request could not be computed: say why
                 ended = True
