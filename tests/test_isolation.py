@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -155,8 +156,9 @@ def test_a_worker_that_stops_answering_is_declared_dead_and_no_request_is_lost(s
     with Client(stack.endpoint, timeout=120) as client:
         # long enough to be still generating when the worker is stopped (a worker with no step in flight
         # cannot be seen to hang)
-        reference = [client.generate(messages=_chat(i), temperature=0, max_tokens=200, ignore_eos=True).token_ids
-                     for i in range(3)]
+        with ThreadPoolExecutor(3) as pool:  # the undisturbed run, batched as the disturbed one will be
+            reference = list(pool.map(lambda i: client.generate(messages=_chat(i), temperature=0, max_tokens=200,
+                                                                ignore_eos=True).token_ids, range(3)))
         streams = [client.stream(messages=_chat(i), temperature=0, max_tokens=200, ignore_eos=True) for i in range(3)]
         iterators = [iter(s) for s in streams]
         firsts = [next(it) for it in iterators]
