@@ -130,12 +130,12 @@ def truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: 
     among them, each cut at its own k). Rows without top-k but with top-p sort the whole row. A row's support
     depends on its own logits and settings alone, never on its neighbours (up to exactly tied values)."""
     vocab, device, inf = logits.shape[1], logits.device, float("-inf")
-    floor = torch.tensor([math.log(p) if p > 0.0 else inf for p in min_p], device=device, dtype=logits.dtype)
-    nucleus = torch.tensor(top_p, device=device, dtype=logits.dtype)
     limited = [i for i, k in enumerate(top_k) if 0 < k < vocab]
     rest = [i for i in range(len(top_k)) if not 0 < top_k[i] < vocab and (min_p[i] > 0.0 or top_p[i] < 1.0)]
     if not (limited or rest):
-        return logits
+        return logits  # no row truncates
+    floor = torch.tensor([math.log(p) if p > 0.0 else inf for p in min_p], device=device, dtype=logits.dtype)
+    nucleus = torch.tensor(top_p, device=device, dtype=logits.dtype)
     every = len(limited) == len(top_k)
     out = torch.full_like(logits, inf) if every else logits.clone()
     if limited:
@@ -147,7 +147,7 @@ def truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: 
         values = values.masked_fill(_beyond_top_p(values, nucleus[limited]), inf)
         if every:
             return out.scatter_(1, order, values)
-        out[limited] = torch.full_like(values[:, :1].expand(-1, vocab), inf).scatter(1, order, values)
+        out[limited] = logits.new_full((len(limited), vocab), inf).scatter(1, order, values)
     if rest:
         x = logits[rest]
         x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor[rest].unsqueeze(1), inf)
@@ -172,10 +172,6 @@ def _seeded_exponential(vocab: int, row: SampleRow, device) -> torch.Tensor:
     g = torch.Generator(device=device)
     g.manual_seed(seed_for(row.params.seed, len(row.output_ids)))
     return torch.empty(vocab, device=device).exponential_(generator=g)
-
-
-def _needs_truncation(p: SamplingParams, vocab: int) -> bool:
-    return p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0
 
 
 def _masks_stop_ids(row: SampleRow) -> bool:
@@ -239,8 +235,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         scaled = logits[drawn] / temps.unsqueeze(1)  # (R, V)
         q = torch.empty_like(scaled).exponential_(generator=generator)
         params = [rows[i].params for i in drawn]
-        if any(_needs_truncation(p, vocab) for p in params):
-            scaled = truncate(scaled, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
+        scaled = truncate(scaled, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
         for j, i in enumerate(drawn):
             if rows[i].params.seed is not None:
                 q[j] = _seeded_exponential(vocab, rows[i], device)
