@@ -131,13 +131,11 @@ def add_up_arguments(parser) -> None:
     from conveyor.cli import config_class  # noqa: PLC0415
 
     add_arguments(parser, UpConfig, ENV_PREFIX)
-    done: set[str] = set()
     shared = service_settings()
-    for name in dict.fromkeys(s for services in shared.values() for s in services):
-        mine = {n for n, services in shared.items() if services[0] == name}
-        note = {n: f" [{', '.join(shared[n])}]" for n in mine}
-        add_arguments(parser, config_class(name)[0], ENV_PREFIX, names=mine - done, note=note)
-        done |= mine
+    for service in GRPC_SERVICE:  # a setting's flag is made from the first service that has it
+        mine = {n for n, services in shared.items() if services[0] == service}
+        add_arguments(parser, config_class(service)[0], ENV_PREFIX, names=mine,
+                      note={n: f" [{', '.join(shared[n])}]" for n in mine})
 
 
 _HANDED_OUT: set[int] = set()
@@ -337,32 +335,33 @@ def _start_redis(cfg: UpConfig, stack: Stack) -> str:
     raise TimeoutError("redis-server did not answer")
 
 
-def plan(cfg: UpConfig, redis_url: str) -> list[tuple[str, object, str]]:
-    """The children in start order: (name, service config, the address its health is polled at). Ports the
+def plan(cfg: UpConfig, redis_url: str) -> list[tuple[str, str, object, str]]:
+    """The children in start order: (name, service, its config, the address its health is polled at). Ports the
     stack's config leaves at 0 (and those of every engine after the first) are free ones."""
     def port(name: str, i: int = 0) -> int:
         return (getattr(cfg, f"{name}_port") if i == 0 else 0) or free_port()
 
-    detokenizer = f"127.0.0.1:{port('detokenizer')}"
-    deliver = port("deliver")
+    detokenizer_port, deliver = port("detokenizer"), port("deliver")
+    detokenizer = f"127.0.0.1:{detokenizer_port}"
     workers, schedulers = [], []
     for i in range(cfg.engines):
         suffix = f"-{i}" if i else ""
         worker, scheduler = port("worker", i), port("scheduler", i)
-        workers.append((f"worker{suffix}", dataclasses.replace(
+        workers.append((f"worker{suffix}", "worker", dataclasses.replace(
             cfg.service("worker"), port=worker, metrics_port=port("worker_metrics", i)), f"127.0.0.1:{worker}"))
-        schedulers.append((f"scheduler{suffix}", dataclasses.replace(
+        schedulers.append((f"scheduler{suffix}", "scheduler", dataclasses.replace(
             cfg.service("scheduler"), port=scheduler, engine=f"engine-{i}", advertise=f"127.0.0.1:{scheduler}",
             worker=f"127.0.0.1:{worker}", detokenizer=detokenizer, redis_url=redis_url,
             metrics_port=port("scheduler_metrics", i)), f"127.0.0.1:{scheduler}"))
     return [
         *workers,
-        ("detokenizer", dataclasses.replace(cfg.service("detokenizer"), port=int(detokenizer.rsplit(":", 1)[1]),
-                                            redis_url=redis_url, metrics_port=port("detokenizer_metrics")), detokenizer),
+        ("detokenizer", "detokenizer", dataclasses.replace(
+            cfg.service("detokenizer"), port=detokenizer_port, redis_url=redis_url,
+            metrics_port=port("detokenizer_metrics")), detokenizer),
         *schedulers,
-        ("frontend", dataclasses.replace(cfg.service("frontend"), host=cfg.host, port=cfg.port, http_port=cfg.http_port,
-                                         internal_port=deliver, detokenizer=detokenizer, redis_url=redis_url,
-                                         metrics_port=port("frontend_metrics")),
+        ("frontend", "frontend", dataclasses.replace(
+            cfg.service("frontend"), host=cfg.host, port=cfg.port, http_port=cfg.http_port, internal_port=deliver,
+            detokenizer=detokenizer, redis_url=redis_url, metrics_port=port("frontend_metrics")),
          f"127.0.0.1:{deliver}"),  # its internal port (plain gRPC even with TLS on the public one)
     ]
 
@@ -379,8 +378,7 @@ def start(cfg: UpConfig) -> Stack:
         stack.redis_url = cfg.redis_url or _start_redis(cfg, stack)
         stack.internal_tls_dir = _internal_tls_dir(cfg)
         tls_env = {grpc_util.INTERNAL_TLS_ENV: stack.internal_tls_dir} if stack.internal_tls_dir else {}
-        for name, config, health in plan(cfg, stack.redis_url):
-            service = name.split("-")[0]
+        for name, service, config, health in plan(cfg, stack.redis_url):
             argv = _serve(service, *to_argv(config))
             env = dict(os.environ, **secrets_env(config, config_class(service)[1]), **tls_env)
             stack.children.append(Child(name, _popen(argv, env), health, GRPC_SERVICE[service], argv,

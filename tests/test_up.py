@@ -141,7 +141,7 @@ def test_every_service_setting_reaches_its_children_through_conveyor_up():
                   if f.name not in ADDRESSING}
         values.update({k: v for k, v in CHECKED_VALUES.items() if k in values})
         cfg = UpConfig.of(**values)
-        (name, config, _), *_ = [c for c in plan(cfg, "redis://:pw@127.0.0.1:1/0") if c[0] == service]
+        (config,) = [c for name, _, c, _ in plan(cfg, "redis://:pw@127.0.0.1:1/0") if name == service]
         argv, env = ["serve", service, *to_argv(config)], secrets_env(config, env_prefix)
         for key, value in env.items():
             os.environ[key] = value
