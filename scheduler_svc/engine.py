@@ -259,7 +259,8 @@ class Engine:
                 self.health.set(worker_up=True)
             with self.cond:
                 outputs = self.scheduler.update(sent, answer.sampled, scored=answer.scored, failed=answer.failed)
-            self.observed.answered(sent, outputs, self.snapshot())
+                snapshot = self.snapshot()  # the same hold of the lock (a Condition's lock is re-entrant)
+            self.observed.answered(sent, outputs, snapshot)
             self._write_and_publish(sent, outputs, sent_decided)
 
     def _recover(self, plan: StepPlan, exc: Exception, backoff: float, dropped) -> float:
@@ -330,8 +331,9 @@ class Engine:
             self._forget(written.taken)
         published = outputs + [o for o in decided if o.finish_reason != "stop"]  # the detokenizer knows its stops
         published = [o for o in published if o.request.request_id not in written.left_out]
-        kept = {o.request.request_id: o.first_index for o in outputs}  # what Redis holds of a refused one
-        published += [o for rid in written.refused if (o := self._give_up(rid, kept.get(rid))) is not None]
+        if written.refused:
+            kept = {o.request.request_id: o.first_index for o in outputs}  # what Redis holds of a refused one
+            published += [o for rid in written.refused if (o := self._give_up(rid, kept.get(rid))) is not None]
         if published:
             self.publish(plan.step, published)
 
