@@ -23,6 +23,7 @@ import time
 import torch
 
 from conveyor.params import SamplingParams
+from worker_svc.config import ATTENTION
 from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.loader import load_model
@@ -157,8 +158,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--numerics", choices=("exact", "fast"), default="exact",
                         help="the worker's --numerics (transformers always computes the exact product)")
-    parser.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto",
-                        help="the worker's --attention (off the CPU kernels)")
+    parser.add_argument("--attention", choices=ATTENTION, default="auto", help="the worker's --attention")
     parser.add_argument("--no-graphs", action="store_true", help="on a GPU: every decode step eager (--no-cuda-graphs)")
     parser.add_argument("--generate", action="store_true",
                         help="also time transformers' generate() per decoded token (the issue's batch-1 yardstick)")
@@ -166,7 +166,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
-    loaded = load_model(args.model, device=device, dtype=dtype, numerics=args.numerics)
+    loaded = load_model(args.model, device=device, dtype=dtype, attention=args.attention, numerics=args.numerics)
     need = max(args.batches) * ((max(args.contexts) + args.steps + 2 + 16) // 16 + 1)
     need = max(need, args.prefill_batch * (args.prefill_len // 16 + 1))
     cache = KVCache.allocate(loaded.config, 16, need, device, dtype)

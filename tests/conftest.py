@@ -18,7 +18,19 @@ def dense_model():
     """The default model on the pure PyTorch path (dense fp32 weights, PyTorch layers, SDPA attention)."""
     from worker_svc.loader import load_model
 
-    return load_model("default", cpu_kernels="off")
+    return load_model("default", attention="sdpa")
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A Hugging Face folder of a tiny random Llama (``helpers.tiny_llama``: 3 layers, GQA, Llama-3 rope), for
+    tests of the machinery around the model (attention backends, captured graphs), where the default model's
+    size buys nothing."""
+    from helpers import save_hf, tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_hf(tiny_llama(), folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

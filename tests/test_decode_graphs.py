@@ -61,10 +61,18 @@ def _decoding(runner, prompts, max_tokens):
 
 
 @pytest.fixture(scope="module")
-def prompts(default_model):
-    tok = default_model.tokenizer
-    texts = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3,", "Roses are red,"]
-    return [tok.encode(t) for t in texts]
+def dense_model(tiny_folder):
+    """A tiny random Llama in PyTorch (what a GPU runs): the bookkeeping around the graphs is under test, and the
+    default model's size would only slow it (test_cuda.py captures the default model's graphs on a GPU)."""
+    from worker_svc.loader import load_model
+
+    return load_model(tiny_folder, attention="sdpa")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 300, (n,), generator=g).tolist() for n in (6, 4, 5, 7, 5)]
 
 
 @pytest.fixture(scope="module")

@@ -74,8 +74,10 @@ class PagedAttention:
     out_index: torch.Tensor  # (T,) long: each flat token's row in the calls' outputs, concatenated
     compiled: bool
 
-    def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
-        """q: (T, H, D); k_flat, v_flat: the layer's cache as (slots, Hkv, D), this step's K/V written. -> (T, H, D)."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
+                 v_flat: torch.Tensor) -> torch.Tensor:
+        """q: (T, H, D); k_flat, v_flat: the layer's cache as (slots, Hkv, D), this step's K/V written (so the
+        step's own ``k``, ``v`` are read from there). -> (T, H, D)."""
         keys = k_flat.permute(1, 0, 2).unsqueeze(0)  # (1, Hkv, slots, D): a view
         values = v_flat.permute(1, 0, 2).unsqueeze(0)
         outs = []

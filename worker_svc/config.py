@@ -8,7 +8,7 @@ from conveyor.config import parse_size, require, setting
 
 ENV_PREFIX = "CONVEYOR_WORKER_"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION = ("auto", "flex", "sdpa")
+ATTENTION = ("auto", "native", "flex", "sdpa")
 
 
 @dataclass
@@ -26,28 +26,25 @@ class WorkerConfig:
     profile_tokens: int = setting(8192, "tokens of the profile step that measures a GPU's activation memory (the "
                                         "scheduler's --max-num-batched-tokens on a GPU)")
     max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens (default: the model's)")
-    cpu_kernels: str = setting(
-        "auto", "on the CPU: keep GGUF Q4_0/Q4_1/Q8_0 weights quantized and run the C kernels (auto: when the "
-        "CPU has AVX2 and a C compiler is present; off: the weights dequantized to dense fp32 and every layer run "
-        "as PyTorch ops, attention as --attention says)",
-        choices=("auto", "on", "off"),
-    )
     numerics: str = setting(
-        "fast", "with the CPU kernels: exact = the dequantized fp32 product of quantized weights (logits within "
+        "fast", "with native attention: exact = the dequantized fp32 product of quantized weights (logits within "
         "1e-4 of transformers); fast = decode batches of 1-2 rows multiply with integer dot products, the "
         "activations quantized to two int8 passes per block of 32 (~1.6x faster matmuls; log-probabilities "
         "within ~2e-3 of exact)",
         choices=("exact", "fast"),
     )
     quantize: str = setting(
-        "none", "with the CPU kernels: quantize the model's dense linear weights at load (a Hugging Face folder's, "
+        "none", "with native attention: quantize the model's dense linear weights at load (a Hugging Face folder's, "
         "or a GGUF's F16/BF16/F32 tensors) to GGUF q8_0 or q4_0 blocks, as llama.cpp's quantizer does, so they take "
         "the integer-dot path (q4_0 keeps the embedding and output layer at q8_0); none: as stored (bf16 stays "
         "bf16, multiplied in fp32)", choices=("none", "q8_0", "q4_0"))
     attention: str = setting(
-        "auto", "attention off the CPU kernels: flex = paged attention reading the KV cache in place "
-        "(flex_attention, fused by torch.compile on a GPU); sdpa = each context gathered for "
-        "scaled_dot_product_attention; auto: flex on a GPU, sdpa on a CPU", choices=ATTENTION)
+        "auto", "how a step runs: native = the CPU kernels (GGUF Q4_0/Q4_1/Q8_0 weights kept quantized, any other "
+        "weight as stored, the whole decoder in one native call, attention reading the KV cache in place); "
+        "flex = the model in PyTorch, flex_attention reading the KV cache in place (fused by torch.compile on a "
+        "GPU); sdpa = the model in PyTorch, each context gathered for scaled_dot_product_attention (weights "
+        "dense in --dtype for both); auto: native on a CPU that has AVX2 and a C compiler, else flex on a GPU "
+        "and sdpa on a CPU", choices=ATTENTION)
     cuda_graphs: bool = setting(True, "on a GPU with flex attention, replay decode steps from CUDA graphs captured "
                                       "per padded batch size (--no-cuda-graphs: every step eager)")
     max_graph_batch: int = setting(256, "largest decode batch replayed from a CUDA graph (bigger ones run eager)")

@@ -24,6 +24,7 @@ from conveyor.gguf_file import GGUFFile
 from conveyor.model_files import ModelFileError, resolve_model
 from conveyor.tokenizer import ModelTokenizer, load_tokenizer
 from worker_svc import cpu_kernels
+from worker_svc.config import ATTENTION
 from worker_svc.cpu_kernels import QUANTIZE, QUANTIZED
 from worker_svc.model import LlamaModel, ModelConfig
 from worker_svc.packed import PackedEmbedding, PackedLinear
@@ -57,17 +58,17 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
-    cpu_kernels: str = "auto",
+    attention: str = "auto",
     numerics: str = "exact",
     quantize: str = "none",
 ) -> LoadedModel:
     """Load ``path`` (``"default"``, a ``.gguf`` file or a HF folder) onto ``device`` in ``dtype``.
 
-    ``cpu_kernels``: "auto" runs every linear layer on the CPU kernels from packed weights when running
-    fp32 on a CPU that has them: a GGUF model's Q4_0/Q4_1/Q8_0 blocks as they are, any other weight as
-    dense rows in its stored dtype (a Hugging Face folder's bf16 stays bf16: half the memory traffic of
-    fp32, the same products); "on" insists (error if it cannot); "off" always dequantizes to dense
-    weights (the path CUDA takes).
+    ``attention`` (the worker's ``--attention``, ``worker_svc.backends``): "auto" packs every linear layer
+    for the native backend (the CPU kernels) when running fp32 on a CPU that has them: a GGUF model's
+    Q4_0/Q4_1/Q8_0 blocks as they are, any other weight as dense rows in its stored dtype (a Hugging
+    Face folder's bf16 stays bf16: half the memory traffic of fp32, the same products); "native"
+    insists (error if it cannot); "flex" and "sdpa" dequantize to dense weights (the path CUDA takes).
     ``quantize``: "q8_0" or "q4_0" quantizes the dense linear weights at load to those GGUF blocks
     (as llama.cpp's quantizer does; q4_0 keeps the embedding and output layer at q8_0), so a Hugging
     Face model takes the integer-dot path; "none" keeps them as stored. Needs the CPU kernels.
@@ -82,7 +83,8 @@ def load_model(
         raise ValueError(f"--quantize must be none or one of {', '.join(QUANTIZE)}, got {quantize!r}")
     source = resolve_model(path)
     device = torch.device(device)
-    packed = _use_packed("on" if quantize != "none" and cpu_kernels == "auto" else cpu_kernels, device, dtype)
+    packed = _use_packed("native" if quantize != "none" and attention == "auto" else attention, quantize, device,
+                         dtype)
     if source.kind == "gguf":
         config, state = gguf_weights(source.path, packed)
     else:  # straight to the device in the run dtype (fp32 norms and all: as the GGUF path, then model.to)
@@ -107,29 +109,26 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
-    model.use_cpu_kernels(_use_cpu_kernels(cpu_kernels, device, dtype))
     for module in model.modules():
         if isinstance(module, PackedLinear) and module.qtype in QUANTIZED:
             module.passes = NUMERICS[numerics]
     return LoadedModel(model, config, load_tokenizer(source), source.name, limit, packed)
 
 
-def _use_cpu_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
-    return choice != "off" and device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()[0]
-
-
-def _use_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
-    if choice not in ("auto", "on", "off"):
-        raise ValueError(f"--cpu-kernels must be auto, on or off, got {choice!r}")
-    if choice == "off":
+def _use_packed(attention: str, quantize: str, device: torch.device, dtype: torch.dtype) -> bool:
+    if attention not in ATTENTION:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    if attention in ("flex", "sdpa"):
+        if quantize != "none":
+            raise ModelFileError(f"--quantize {quantize} needs --attention native (or auto), got {attention}")
         return False
     ok, reason = cpu_kernels.available()
     if device.type != "cpu" or dtype != torch.float32:
         reason = "they run fp32 on the CPU only"
     else:
         reason = reason if not ok else ""
-    if reason and choice == "on":
-        raise ModelFileError(f"--cpu-kernels on (or --quantize): cannot use the CPU kernels: {reason}")
+    if reason and attention == "native":
+        raise ModelFileError(f"--attention native (or --quantize): cannot use the CPU kernels: {reason}")
     if reason and device.type == "cpu":
         log.info("CPU kernels not used (%s): dense fp32 weights", reason)
     return not reason

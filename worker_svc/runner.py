@@ -23,11 +23,11 @@ import torch
 from conveyor.errors import InvalidArgument
 from conveyor.params import SamplingParams, StopParams, Structured
 from conveyor.structured import Constraint, Constraints
-from worker_svc.attention import (PagedAttention, Rows, decode_rows, decode_size, padded_tables, paged_attention,
-                                  prefill_rows)
-from worker_svc.graphs import DecodeGraphs, Graph
+from worker_svc import backends
+from worker_svc.backends import StepBatch
+from worker_svc.graphs import Graph
 from worker_svc.kv_cache import KVCache
-from worker_svc.model import AttentionMetadata, LlamaModel, PrefillChunk
+from worker_svc.model import LlamaModel
 from worker_svc.sampling import Sampled, SampleRow, Scored, sample, score
 
 
@@ -101,12 +101,10 @@ class ModelRunner:
                  compile_attention: bool | None = None, graphs: Callable[[], Graph] | None = None,
                  max_graph_batch: int = 256, constraints: Constraints | None = None):
         """``threads``: (CPU threads for a step, for a step of one token); None leaves PyTorch's setting.
-        ``attention`` off the CPU kernels: "flex" (paged, in place) or "sdpa" (gathers each context); auto is
-        flex on a GPU, SDPA on a CPU (flex unfused materializes scores over the whole cache).
-        ``compile_attention``: fuse flex_attention with torch.compile (default: on a GPU). ``graphs``: makes
-        the graphs decode steps of up to ``max_graph_batch`` sequences are captured in (flex attention only;
-        ``CudaGraph.factory()`` on a GPU), None: every step eager; eager steps pad their block tables to as
-        many rows. ``constraints``: the matchers of structured output (None: a constrained sequence is refused)."""
+        ``attention``: the backend (``worker_svc.backends.choose``: auto is native when the CPU kernels can run
+        the model, else flex on a GPU and sdpa on a CPU); ``compile_attention``, ``graphs``, ``max_graph_batch``:
+        flex's (``backends.make``). ``constraints``: the matchers of structured output (None: a constrained
+        sequence is refused)."""
         self.constraints = constraints
         self.mask_seconds: float | None = None  # the last step's grammar work (None: no constrained sequence)
         self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar") if constraints else None
@@ -117,23 +115,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.vocab_size = model.cfg.vocab_size
         self.device = model.norm.weight.device
-        if attention == "auto":
-            attention = "flex" if self.device.type == "cuda" else "sdpa"
-        self.attention = "native" if model.cpu_kernels else attention
-        self.compile_attention = self.device.type == "cuda" if compile_attention is None else compile_attention
-        if self.attention == "flex":
-            self.block_logical = torch.zeros(cache.num_blocks + 1, dtype=torch.int32, device=self.device)
-            # Flex attention multiplies the masked slots of a partial block (a sequence's unwritten tail) by a
-            # zero weight: memory never written could hold NaN bit patterns, and 0 * NaN is NaN. Written
-            # slots are finite, so zeroing once suffices (on a GPU a memset of the cache takes milliseconds).
-            for t in cache.k + cache.v:
-                t.zero_()
-        self.max_graph_batch = max_graph_batch
-        self.table_width = min(-(-max_model_len // cache.block_size), cache.num_blocks)  # most blocks of a sequence
-        self.graphs = None
-        if graphs is not None and self.attention == "flex":
-            self.graphs = DecodeGraphs(self._captured_forward, graphs, max_graph_batch, self.table_width,
-                                       cache.scratch_block, cache.block_size, self.device)
+        self.backend = backends.make(attention, model, cache, max_model_len, compile_attention, graphs,
+                                     max_graph_batch)
+        self.attention = self.backend.name
+        self.graphs = self.backend.graphs
         self.seqs: dict[str, SeqState] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
@@ -244,9 +229,8 @@ class ModelRunner:
         chunk = SeqChunk("\0score", list(token_ids), 0, new_block_ids=list(block_ids), sample=False,
                          sampling=SamplingParams(), num_prompt_tokens=len(token_ids))
         self._check_chunk(chunk, known=False)
-        staged = {chunk.seq_id: self._staged_state(chunk)}
-        input_ids, positions, meta, _ = self._prepare([chunk], staged)
-        return self.model.logits(self.model(input_ids, positions, self.cache.layers(), meta))
+        batch = self._batch([chunk], {chunk.seq_id: self._staged_state(chunk)})
+        return self.model.logits(self.backend.run(batch))
 
     def _staged_state(self, c: SeqChunk) -> SeqState:
         if c.registers:
@@ -260,11 +244,9 @@ class ModelRunner:
     def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> list[StepResult]:
         sampled = [c for c in order if c.sample]
         masks = self._start_masks([staged[c.seq_id] for c in sampled])  # the grammar work overlaps the forward
-        if self.graphs is not None and len(order) <= self.graphs.max_batch and all(len(c.token_ids) == 1 for c in order):
-            hidden, last_rows = self._replay(order, staged), {c.seq_id: i for i, c in enumerate(order)}
-        else:
-            input_ids, positions, meta, last_rows = self._prepare(order, staged)
-            hidden = self.model(input_ids, positions, self.cache.layers(), meta)
+        batch = self._batch(order, staged)
+        hidden = self.backend.run(batch)
+        last_rows = dict(zip((c.seq_id for c in order), batch.last_rows()))
         scored = {c.seq_id: self._score_prompt(c, staged[c.seq_id], hidden, last_rows[c.seq_id]) for c in order
                   if staged[c.seq_id].params.prompt_logprobs is not None}
         results = []
@@ -325,110 +307,6 @@ class ModelRunner:
         s.pending_hidden = hidden[last_row].clone() if end < s.num_prompt_tokens else None
         return result
 
-    def _replay(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> torch.Tensor:
-        """A step of decodes only, from its captured graph."""
-        bs = self.cache.block_size
-        tables = [staged[c.seq_id].block_table for c in order]
-        positions = [c.start_pos for c in order]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-        return self.graphs.run([c.token_ids[0] for c in order], positions, slots, tables)
-
-    def _captured_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                          tables: torch.Tensor) -> torch.Tensor:
-        """The decode step a graph captures, on its static buffers (positions -1: padding rows)."""
-        paged = self.paged_attention([decode_rows(positions, len(positions))], tables)
-        meta = AttentionMetadata(slots, paged=paged)
-        return self.model(input_ids, positions.clamp(min=0), self.cache.layers(), meta)
-
-    def _prepare(self, order: list[SeqChunk], staged: dict[str, SeqState]):
-        """Flat token batch, positions and the attention metadata (built on CPU, moved once). Built from
-        Python ints and turned into tensors once per step, not once per sequence: at a few hundred
-        sequences a step, per-sequence tensor construction cost more than a small model's forward."""
-        bs = self.cache.block_size
-        ids, pos, slots, last_rows = [], [], [], {}
-        tables = [staged[c.seq_id].block_table for c in order]
-        for c, table in zip(order, tables):
-            span = range(c.start_pos, c.start_pos + len(c.token_ids))
-            ids += c.token_ids
-            pos += span
-            slots += [table[q // bs] * bs + q % bs for q in span]
-            last_rows[c.seq_id] = len(ids) - 1
-        input_ids, positions, slot_mapping = torch.tensor(ids), torch.tensor(pos), torch.tensor(slots)
-        if self.attention == "native":
-            return input_ids, positions, self._kernel_metadata(order, tables, positions, slot_mapping), last_rows
-        num_decodes = sum(1 for c in order if len(c.token_ids) == 1)
-        if self.attention == "flex":
-            paged = self._paged(order, num_decodes, tables, positions)
-            meta = AttentionMetadata(slot_mapping.to(self.device), paged=paged)
-            return input_ids.to(self.device), positions.to(self.device), meta, last_rows
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes)
-        if num_decodes:
-            ctx = torch.tensor([c.start_pos + 1 for c in order[:num_decodes]])
-            width = int(ctx.max())
-            kv_pos = torch.arange(width)
-            meta.decode_kv_slots = torch.stack([_slots(t, kv_pos.clamp(max=n - 1), bs) for t, n in zip(tables, ctx.tolist())])
-            meta.decode_mask = (kv_pos.unsqueeze(0) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, width)
-        row = num_decodes
-        for c, table in zip(order[num_decodes:], tables[num_decodes:]):
-            n, end = len(c.token_ids), c.start_pos + len(c.token_ids)
-            if c.start_pos == 0:
-                meta.prefills.append(PrefillChunk(row, row + n, None, None))
-            else:
-                q_pos = torch.arange(c.start_pos, end).unsqueeze(1)
-                mask = torch.arange(end).unsqueeze(0) <= q_pos  # (n, ctx)
-                meta.prefills.append(PrefillChunk(row, row + n, _slots(table, torch.arange(end), bs), mask))
-            row += n
-        meta = _to_device(meta, self.device)
-        return input_ids.to(self.device), positions.to(self.device), meta, last_rows
-
-    def _paged(self, order: list[SeqChunk], num_decodes: int, tables: list[list[int]],
-               positions: torch.Tensor) -> PagedAttention:
-        """Flex attention's calls: the decodes (one query row each), then the prefill chunks (one row)."""
-        rows = []
-        if num_decodes:
-            padded = torch.full((decode_size(num_decodes),), -1)
-            padded[:num_decodes] = positions[:num_decodes]
-            rows.append(decode_rows(padded, num_decodes))
-        if num_decodes < len(order):
-            chunks = order[num_decodes:]
-            rows.append(prefill_rows(num_decodes, [c.start_pos for c in chunks], [len(c.token_ids) for c in chunks],
-                                     num_decodes))
-        # as many rows as the biggest decode batch (the tables are an input of the fused kernel: a shape
-        # that changed with every step's sequence count would compile it anew)
-        height = max(decode_size(self.max_graph_batch), decode_size(len(tables)))
-        table = padded_tables(tables, height, self.table_width, self.cache.scratch_block)
-        return self.paged_attention([r.to(self.device) for r in rows], table.to(self.device))
-
-    def paged_attention(self, rows: list[Rows], tables: torch.Tensor) -> PagedAttention:
-        """From device tensors only (a captured graph runs this). ``tables`` (R, table_width): every table
-        padded to the longest a sequence can have, so that the fused kernel sees a few shapes only. The
-        block lists span the whole cache on a CPU (its fused kernel asks for that)."""
-        slots = (self.cache.num_blocks + 1) * self.cache.block_size
-        width = self.cache.num_blocks + 1 if self.device.type == "cpu" else self.table_width
-        return paged_attention(rows, tables, self.block_logical, self.cache.block_size, width, slots,
-                               self.compile_attention)
-
-    @staticmethod
-    def _kernel_metadata(order, tables, positions: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        lengths = torch.tensor([len(c.token_ids) for c in order])
-        token_seq = torch.repeat_interleave(torch.arange(len(order), dtype=torch.int32), lengths)
-        return AttentionMetadata(slot_mapping, block_tables, token_seq, positions.to(torch.int32))
-
-
-def _slots(table: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of ``positions`` for a sequence with block table ``table``."""
-    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
-    return blocks * block_size + positions % block_size
-
-
-def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    if device.type == "cpu":
-        return meta
-    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    meta.slot_mapping = move(meta.slot_mapping)
-    meta.decode_kv_slots, meta.decode_mask = move(meta.decode_kv_slots), move(meta.decode_mask)
-    for p in meta.prefills:
-        p.kv_slots, p.mask = move(p.kv_slots), move(p.mask)
-    return meta
+    def _batch(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> StepBatch:
+        return StepBatch.of([(c.token_ids, c.start_pos, staged[c.seq_id].block_table) for c in order],
+                            self.cache.block_size)

@@ -171,8 +171,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     dtype = resolve_dtype(cfg.dtype, device)
     started = time.perf_counter()
     loaded = load_model(cfg.model, device=device, dtype=dtype, max_model_len=cfg.max_model_len,
-                        cpu_kernels=cfg.cpu_kernels, numerics=cfg.numerics,
-                        quantize=cfg.quantize)
+                        attention=cfg.attention, numerics=cfg.numerics, quantize=cfg.quantize)
     block_bytes = bytes_per_block(loaded.config, cfg.block_size, dtype)
     memory = None
     if device.type == "cuda" and cfg.kv_cache_bytes is None:
@@ -199,10 +198,11 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
         with torch.inference_mode():
             runner.graphs.capture_all()
     log.info(
-        "loaded %s in %.2fs on %s (%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
+        "loaded %s in %.2fs on %s (%s%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),
-        f", {loaded.weight_formats()} weights + CPU kernels, {cfg.numerics} numerics" if loaded.packed else ", CPU kernels"
-        if loaded.model.cpu_kernels else f", {runner.attention} attention{', CUDA graphs' if runner.graphs else ''}",
+        f", {loaded.weight_formats()} weights" if loaded.packed else "",
+        f", native attention (the CPU kernels), {cfg.numerics} numerics" if runner.attention == "native"
+        else f", {runner.attention} attention{', CUDA graphs' if runner.graphs else ''}",
         num_blocks, cfg.block_size, num_blocks * cfg.block_size, num_blocks * block_bytes / 2**20,
     )
     info = worker_pb2.InfoResponse(
