@@ -272,32 +272,37 @@ class Fenced(Exception):
 
 
 class StepWriter:
-    """Collects one engine step's changes and sends them in one pipeline (one round trip).
+    """Collects one engine step's changes and sends them in one round trip.
 
+    The commands are kept as plain argument tuples (the step's script takes them as they are; redis-py's
+    pipeline methods cost more than the rest of a step's bookkeeping at a few hundred requests).
     ``execute`` returns the keys of requests whose record did not look as expected (lost in a Redis
     restart) or whose commands Redis refused (an error about that record, such as WRONGTYPE): the
     caller rewrites those whole with ``restore``. Only a Redis that cannot be reached raises."""
 
     def __init__(self, store: RequestStore):
         self.store = store
-        self.pipe = store.redis.pipeline(transaction=False)
+        self.commands: list[tuple] = []
         self.count = 0
-        self._checks: list[tuple[int, str, int, bool]] = []  # (op index, request key, expected, exact)
-        self._op_request: list[str] = []  # the request each queued op writes
+        self._checks: list[tuple[int, str, int, bool]] = []  # (command index, request key, expected, exact)
+        self._op_request: list[str] = []  # the request each queued command writes
 
     def _queued(self, request_id: str) -> None:
-        """The ops queued since the last call write ``request_id``'s record."""
-        self._op_request += [request_id] * (len(self.pipe.command_stack) - len(self._op_request))
+        """The commands queued since the last call write ``request_id``'s record."""
+        self._op_request += [request_id] * (len(self.commands) - len(self._op_request))
         self.count += 1
 
     def _expect(self, request_id: str, value: int, exact: bool) -> None:
-        """The result of the op just queued must equal ``value`` (``exact``) or be at most ``value``."""
-        self._checks.append((len(self.pipe.command_stack) - 1, request_id, value, exact))
+        """The result of the command just queued must equal ``value`` (``exact``) or be at most ``value``."""
+        self._checks.append((len(self.commands) - 1, request_id, value, exact))
+
+    def _hset(self, key: str, fields: dict) -> None:
+        self.commands.append(("HSET", key, *(x for pair in fields.items() for x in pair)))
 
     def status(self, request_id: str, status: str, cached_tokens: int | None = None) -> None:
         """The request's status; ``cached_tokens`` when it was admitted (only that field may be created)."""
         fields = {"status": status} if cached_tokens is None else {"status": status, "cached_tokens": cached_tokens}
-        self.pipe.hset(self.store.key(request_id), mapping=fields)
+        self._hset(self.store.key(request_id), fields)
         self._expect(request_id, len(fields) - 1, exact=False)
         self._queued(request_id)
 
@@ -307,18 +312,15 @@ class StepWriter:
         these include the first, and ``prompt_logprobs`` with it when the request asked for them."""
         key, out = self.store.key(request_id), self.store.out_key(request_id)
         before = num_output - len(token_ids)  # a retried append must not add twice: cut back to before it
-        if before:
-            self.pipe.ltrim(out, 0, before - 1)
-        else:
-            self.pipe.delete(out)
-        self.pipe.rpush(out, *token_ids)
+        self.commands.append(("LTRIM", out, 0, before - 1) if before else ("DEL", out))
+        self.commands.append(("RPUSH", out, *token_ids))
         self._expect(request_id, num_output, exact=True)
         fields = {"num_output": num_output, "status": "running"}
         if first_token is not None:
             fields["first_token"] = repr(first_token)
         if prompt_logprobs is not None:
             fields["prompt_logprobs"] = json.dumps(prompt_logprobs, separators=(",", ":"))
-        self.pipe.hset(key, mapping=fields)
+        self._hset(key, fields)
         self._expect(request_id, len(fields) - 2, exact=False)  # only the new fields may be created
         self._queued(request_id)
 
@@ -328,26 +330,26 @@ class StepWriter:
         record and of its ``alias`` key."""
         key, out = self.store.key(request_id), self.store.out_key(request_id)
         if trim:
-            self.pipe.ltrim(out, 0, num_output - 1)
+            self.commands.append(("LTRIM", out, 0, num_output - 1))
         fields = {"status": "finished", "finish_reason": reason, "finish": repr(now), "num_output": num_output}
         if stopped_by_token:
             fields["stopped_by_token"] = "1"
         if error is not None:
             fields["error"] = error
-        self.pipe.hset(key, mapping=fields)
+        self._hset(key, fields)
         self._expect(request_id, len(fields) - 2, exact=False)  # only the new fields may be created
-        self.pipe.zrem(self.store.inflight_key, request_id)
+        self.commands.append(("ZREM", self.store.inflight_key, request_id))
         self._expire(request_id, alias)
         self._queued(request_id)
 
     def _fenced(self, owner: str) -> list:
         ids = list(dict.fromkeys(self._op_request))
         keys = [self.store.key(rid) for rid in ids]
-        commands = [args for args, _options in self.pipe.command_stack]
-        if all(len(args) <= _SCRIPT_MAX_ARGS for args in commands):
+        if all(len(args) <= _SCRIPT_MAX_ARGS for args in self.commands):
             argv = [owner]
-            for args in commands:
-                argv += [len(args), *args]
+            for args in self.commands:
+                argv.append(len(args))
+                argv += args
             taken, results = self.store.fenced_step(keys=keys, args=argv)
             if taken:
                 raise Fenced({ids[i - 1] for i in taken})
@@ -359,29 +361,35 @@ class StepWriter:
             if taken:
                 raise Fenced(taken)
             tx.multi()
-            for args, options in self.pipe.command_stack:
-                tx.execute_command(*args, **options)
+            for args in self.commands:
+                tx.execute_command(*args)
             return tx.execute(raise_on_error=False)
+
+    def _unfenced(self) -> list:
+        pipe = self.store.redis.pipeline(transaction=False)
+        for args in self.commands:
+            pipe.execute_command(*args)
+        return pipe.execute(raise_on_error=False)
 
     def _expire(self, request_id: str, alias: str) -> None:
         ttl_ms = max(1, int(self.store.finished_ttl * 1000))
         for key in (self.store.key(request_id), self.store.out_key(request_id), alias):
-            self.pipe.pexpire(key, ttl_ms)
+            self.commands.append(("PEXPIRE", key, ttl_ms))
 
     def restore(self, record: RequestRecord) -> None:
         """Rewrite a whole record (hash, output list, alias, in-flight entry) from memory; idempotent."""
         key, out = self.store.key(record.request_id), self.store.out_key(record.request_id)
         alias = self.store.alias_key(record.owner, record.client_id)
-        self.pipe.delete(key, out)
-        self.pipe.hset(key, mapping=record.to_hash())
+        self.commands.append(("DEL", key, out))
+        self._hset(key, record.to_hash())
         if record.output_ids:
-            self.pipe.rpush(out, *record.output_ids)
-        self.pipe.set(alias, record.request_id, nx=True)  # the name stays this request's
+            self.commands.append(("RPUSH", out, *record.output_ids))
+        self.commands.append(("SET", alias, record.request_id, "NX"))  # the name stays this request's
         if record.status == "finished":
-            self.pipe.zrem(self.store.inflight_key, record.request_id)
+            self.commands.append(("ZREM", self.store.inflight_key, record.request_id))
             self._expire(record.request_id, alias)
         else:
-            self.pipe.zadd(self.store.inflight_key, {record.request_id: record.arrival})
+            self.commands.append(("ZADD", self.store.inflight_key, record.arrival, record.request_id))
         self._queued(record.request_id)
 
     def execute(self, owner: str = "") -> set[str]:
@@ -394,7 +402,7 @@ class StepWriter:
         written); in the WATCH form, one changed meanwhile raises ``redis.WatchError``."""
         if not self.count:
             return set()
-        results = self._fenced(owner) if owner else self.pipe.execute(raise_on_error=False)
+        results = self._fenced(owner) if owner else self._unfenced()
         for result in results:
             if isinstance(result, REDIS_DOWN):
                 raise result
