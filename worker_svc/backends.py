@@ -100,11 +100,9 @@ class Backend:
 
 def native_problem(model: LlamaModel) -> str | None:
     """Why the native backend cannot run ``model`` (None: it can)."""
-    ok, reason = cpu_kernels.available()
-    if not ok:
+    reason = cpu_kernels.problem(model.norm.weight.device, model.norm.weight.dtype)
+    if reason:
         return reason
-    if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype != torch.float32:
-        return "it runs fp32 on the CPU only"
     linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     if not all(isinstance(m, PackedLinear) for m in linears):
@@ -330,8 +328,7 @@ class Flex(TorchBackend):
                           tables: torch.Tensor) -> torch.Tensor:
         """The decode step a graph captures, on its static buffers (positions -1: padding rows)."""
         paged = self.paged([decode_rows(positions, len(positions))], tables)
-        step = TorchStep(input_ids, positions.clamp(min=0), slots, paged)
-        return self.model(step.input_ids, step.positions, self.cache.layers(), step)
+        return self.forward(TorchStep(input_ids, positions.clamp(min=0), slots, paged))
 
 
 def choose(attention: str, model: LlamaModel) -> str:

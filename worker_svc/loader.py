@@ -122,16 +122,12 @@ def _use_packed(attention: str, quantize: str, device: torch.device, dtype: torc
         if quantize != "none":
             raise ModelFileError(f"--quantize {quantize} needs --attention native (or auto), got {attention}")
         return False
-    ok, reason = cpu_kernels.available()
-    if device.type != "cpu" or dtype != torch.float32:
-        reason = "they run fp32 on the CPU only"
-    else:
-        reason = reason if not ok else ""
+    reason = cpu_kernels.problem(device, dtype)
     if reason and attention == "native":
         raise ModelFileError(f"--attention native (or --quantize): cannot use the CPU kernels: {reason}")
     if reason and device.type == "cpu":
         log.info("CPU kernels not used (%s): dense fp32 weights", reason)
-    return not reason
+    return reason is None
 
 
 _HEAD = ("embed_tokens", "lm_head")  # with each layer's linear layers (``_HF_LINEARS``): what packing changes

@@ -143,6 +143,15 @@ def available() -> tuple[bool, str]:
     return lib is not None, reason
 
 
+def problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot run a model held on ``device`` in ``dtype`` (None: they can). They run fp32 on a
+    CPU that has them; the device is asked first, so a GPU machine never compiles them."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return "they run fp32 on the CPU only"
+    ok, reason = available()
+    return None if ok else reason
+
+
 def _lib() -> ctypes.CDLL:
     lib, reason = _library()
     if lib is None:
