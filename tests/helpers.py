@@ -9,12 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from conveyor import grpc_util, launcher
 from conveyor.launcher import free_port  # noqa: F401 - re-exported for the tests
+from worker_svc import cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
 
 
 def make_runner(loaded, block_size: int = 16, num_blocks: int = 1024, seed: int = 0, threads=None, **options):

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import needs_kernels
 
-from worker_svc import backends, cpu_kernels
+from worker_svc import backends
 from worker_svc.backends import StepBatch, slot
 from worker_svc.kv_cache import KVCache
 from worker_svc.loader import load_model
 
 BLOCK = 4
 NUM_BLOCKS = 40
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
 
 # Two steps over five sequences: (first step: prompt length), (second step: start, new tokens). A shares its
 # first two blocks (8 tokens) with B, whose second step starts there as a prefix-cache hit would.

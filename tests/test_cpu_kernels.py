@@ -6,10 +6,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import needs_kernels
 
 from worker_svc import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
+pytestmark = needs_kernels
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F32, Q.F16, Q.BF16]  # GGUF blocks, and dense rows as a checkpoint stores them
 DTYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}

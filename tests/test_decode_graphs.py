@@ -61,7 +61,7 @@ def _decoding(runner, prompts, max_tokens):
 
 
 @pytest.fixture(scope="module")
-def dense_model(tiny_folder):
+def tiny_model(tiny_folder):
     """A tiny random Llama in PyTorch (what a GPU runs): the bookkeeping around the graphs is under test, and the
     default model's size would only slow it (test_cuda.py captures the default model's graphs on a GPU)."""
     from worker_svc.loader import load_model
@@ -76,16 +76,16 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def eager(dense_model, prompts):
+def eager(tiny_model, prompts):
     """The same steps with no graph: tokens and log-probabilities, and the cache they leave."""
-    runner = make_runner(dense_model, num_blocks=64, **FLEX)
+    runner = make_runner(tiny_model, num_blocks=64, **FLEX)
     return _decoding(runner, prompts[:3], STEPS), runner.cache
 
 
-def test_replayed_decodes_equal_the_eager_steps(dense_model, prompts, eager, captured):
+def test_replayed_decodes_equal_the_eager_steps(tiny_model, prompts, eager, captured):
     """Three sequences decode in the graph of 4 (one padding row): every step replays the one graph with new
     ids, positions, slots and tables, and the tokens and cache contents are the eager steps'."""
-    runner = make_runner(dense_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=8, **FLEX)
+    runner = make_runner(tiny_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=8, **FLEX)
     tokens, logprobs = _decoding(runner, prompts[:3], STEPS)
     (want_tokens, want_logprobs), want_cache = eager
     assert tokens == want_tokens
@@ -97,11 +97,11 @@ def test_replayed_decodes_equal_the_eager_steps(dense_model, prompts, eager, cap
         torch.testing.assert_close(runner.cache.v[layer][:64], want_cache.v[layer][:64], atol=1e-4, rtol=0)
 
 
-def test_each_size_is_captured_once_and_big_batches_run_eager(dense_model, prompts, captured):
+def test_each_size_is_captured_once_and_big_batches_run_eager(tiny_model, prompts, captured):
     """Batches of 5, then 2, then 1 (sequences dropped as they go): 5 is past --max-graph-batch 4 and runs
     eager; the graphs of 2 and 1 are captured once each; the tokens are each sequence's eager tokens."""
-    runner = make_runner(dense_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=4, **FLEX)
-    reference = make_runner(dense_model, num_blocks=64, **FLEX)
+    runner = make_runner(tiny_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=4, **FLEX)
+    reference = make_runner(tiny_model, num_blocks=64, **FLEX)
     from worker_svc.runner import SeqChunk, StepInput
     from conveyor.params import SamplingParams
 
@@ -125,10 +125,10 @@ def test_each_size_is_captured_once_and_big_batches_run_eager(dense_model, promp
     assert sorted(runner.graphs.graphs) == [1, 2]
 
 
-def test_capturing_every_size_up_front_writes_only_the_scratch_block(dense_model, prompts, eager, captured):
+def test_capturing_every_size_up_front_writes_only_the_scratch_block(tiny_model, prompts, eager, captured):
     """What the worker does before it serves: every size captured largest first, on padding alone; the real
     blocks stay untouched, and the steps that follow replay without capturing."""
-    runner = make_runner(dense_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=5, **FLEX)
+    runner = make_runner(tiny_model, num_blocks=64, graphs=ReplayOnCpu, max_graph_batch=5, **FLEX)
     for t in runner.cache.k + runner.cache.v:
         t.zero_()
     with torch.inference_mode():

@@ -14,10 +14,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, hf_logits, make_runner, save_hf, tiny_llama, tiny_qwen2, word_tokenizer
+from helpers import ROOT, hf_logits, make_runner, needs_kernels, save_hf, tiny_llama, tiny_qwen2, word_tokenizer
 
 from conveyor.model_files import ModelFileError
-from worker_svc import cpu_kernels
 from worker_svc.loader import load_model
 
 PROMPTS = [
@@ -29,7 +28,6 @@ PROMPTS = [
 KERNEL_ATOL = 5e-4  # logits are O(10-30); the kernel path sums in another order (seen: 8e-5)
 TORCH_ATOL = 1e-4
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
 
 
 def _score(loaded, ids: list[int], block_size: int = 16, **options) -> torch.Tensor:

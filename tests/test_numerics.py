@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, hf_logits, make_runner
+from helpers import ROOT, hf_logits, make_runner, needs_kernels
 
 from conveyor.params import SamplingParams
 from worker_svc import cpu_kernels
@@ -20,7 +20,7 @@ from worker_svc.loader import load_model
 from worker_svc.packed import PackedLinear
 from worker_svc.runner import SeqChunk, StepInput
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
+pytestmark = needs_kernels
 
 # Varied text from this repository: prose and tables, C, Python, and test strings in Korean, Chinese, emoji.
 TEXTS = ["README.md", "worker_svc/cpu_kernels/qgemm.c", "conveyor/state.py", "tests/test_detokenizer.py"]
