@@ -107,3 +107,17 @@ def test_one_layers_attention_reads_each_context_through_its_block_table(tiny, n
         out = step(q, k, v, cache_k, cache_v)
     torch.testing.assert_close(cache_k.view(-1, *shape[2:]), expected_k, atol=0, rtol=0)
     torch.testing.assert_close(out, _by_hand(q, expected_k, expected_v, batch), atol=1e-5, rtol=1e-5)
+
+
+def test_a_backend_the_model_cannot_take_is_refused_by_name(tiny_folder):
+    """Native attention over dense weights, and --quantize off the native backend: each a clear error naming the
+    flag, at start-up, not a wrong or slow path."""
+    from conveyor.model_files import ModelFileError
+
+    dense = load_model(tiny_folder, attention="sdpa")
+    with pytest.raises(ValueError, match="--attention native: cannot run this model .* not packed"):
+        _backend("native", dense)
+    with pytest.raises(ModelFileError, match="--quantize q8_0 needs --attention native"):
+        load_model(tiny_folder, attention="flex", quantize="q8_0")
+    with pytest.raises(ValueError, match="--attention must be one of auto, native, flex, sdpa"):
+        load_model(tiny_folder, attention="cuda")
