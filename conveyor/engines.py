@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from conveyor.prefix import chain, root_key, scoped
-from conveyor.state import RequestStore
+from conveyor.state import RequestStore, Steps, op
 
 ROUTE_MAX_TOKENS = 4096  # a prompt's first 4,096 tokens decide its route
 ROUTE_TTL = 600.0  # seconds a route entry lives without being taken again
@@ -98,11 +98,12 @@ return moved
 
 
 class Registry:
-    """The engines in Redis (thread-safe, like the store)."""
+    """The engines in Redis (thread-safe, like the store). Its operations run as its store runs them: at once,
+    or as coroutines over an ``AsyncRequestStore``."""
 
     def __init__(self, store: RequestStore):
         self.store = store
-        self.redis = store.redis
+        self.drive = store.drive
         self.prefix = store.prefix
         self._live: tuple[float, list[EngineInfo]] | None = None  # (monotonic time read, live engines)
 
@@ -113,62 +114,68 @@ class Registry:
     def key(self, name: str) -> str:
         return f"{self.prefix}:engine:{name}"
 
-    def heartbeat(self, info: EngineInfo, ttl: float) -> bool:
+    @op
+    def heartbeat(self, info: EngineInfo, ttl: float) -> Steps[bool]:
         """Register or refresh an engine; False when its hash did not exist (first time, or a lapsed lease)."""
         fields = [x for pair in info.to_hash().items() for x in pair]
-        return bool(self.redis.eval(_HEARTBEAT, 2, self.key(info.name), self.set_key, int(ttl * 1000), info.name,
-                                    *fields))
+        (existed,) = yield [("EVAL", _HEARTBEAT, 2, self.key(info.name), self.set_key, int(ttl * 1000), info.name,
+                             *fields)]
+        return bool(existed)
 
-    def leave(self, name: str) -> None:
+    @op
+    def leave(self, name: str) -> Steps[None]:
         """An engine that stops cleanly: gone at once (its requests are taken over without waiting out the lease)."""
-        self.redis.delete(self.key(name))
+        yield [("DEL", self.key(name))]
 
-    def names(self) -> list[str]:
-        return sorted(n.decode() for n in self.redis.smembers(self.set_key))
+    @op
+    def names(self) -> Steps[list[str]]:
+        (names,) = yield [("SMEMBERS", self.set_key)]
+        return sorted(n.decode() for n in names)
 
-    def live(self, max_age: float = 0.0) -> list[EngineInfo]:
+    @op
+    def live(self, max_age: float = 0.0) -> Steps[list[EngineInfo]]:
         """The live engines; ``max_age``: a read at most that many seconds old is answered again (a new list
         object only when Redis was read)."""
         now = time.monotonic()
         if self._live is not None and now - self._live[0] <= max_age:
             return self._live[1]
-        names = self.names()
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hgetall(self.key(name))
-        engines = [EngineInfo.from_hash(name, raw) for name, raw in zip(names, pipe.execute()) if raw]
+        names = yield from self.names.steps(self)
+        hashes = (yield [("HGETALL", self.key(name)) for name in names]) if names else []
+        engines = [EngineInfo.from_hash(name, raw) for name, raw in zip(names, hashes) if raw]
         self._live = (now, engines)
         return engines
 
-    def dead(self) -> list[str]:
+    @op
+    def dead(self) -> Steps[list[str]]:
         """Registered engines whose lease expired and whose requests were not yet taken over."""
-        names = self.names()
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.exists(self.key(name))
-        return [name for name, alive in zip(names, pipe.execute()) if not alive]
+        names = yield from self.names.steps(self)
+        alive = (yield [("EXISTS", self.key(name)) for name in names]) if names else []
+        return [name for name, up in zip(names, alive) if not up]
 
-    def claim(self, dead: str, taker: str) -> list[str]:
+    @op
+    def claim(self, dead: str, taker: str) -> Steps[list[str]]:
         """Move every unfinished request of ``dead`` (its lease expired) to ``taker``; returns their keys.
         Atomic: of several engines claiming at once, one gets them."""
         keys = [self.store.inflight_key, self.key(dead), self.set_key]
-        moved = self.redis.eval(_CLAIM, len(keys), *keys, f"{self.prefix}:req:", dead, taker)
+        (moved,) = yield [("EVAL", _CLAIM, len(keys), *keys, f"{self.prefix}:req:", dead, taker)]
         return [k.decode() for k in moved]
 
-    def engine_of(self, request_id: str) -> str | None:
-        name = self.redis.hget(self.store.key(request_id), "engine")
+    @op
+    def engine_of(self, request_id: str) -> Steps[str | None]:
+        (name,) = yield [("HGET", self.store.key(request_id), "engine")]
         return name.decode() if name is not None else None
 
-    def engines_of(self, request_ids: list[str]) -> list[str | None]:
+    @op
+    def engines_of(self, request_ids: list[str]) -> Steps[list[str | None]]:
         """The engine each request's record names (None for a request with no record), in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for request_id in request_ids:
-            pipe.hget(self.store.key(request_id), "engine")
-        return [v.decode() if v is not None else None for v in pipe.execute()]
+        names = (yield [("HGET", self.store.key(rid), "engine") for rid in request_ids]) if request_ids else []
+        return [v.decode() if v is not None else None for v in names]
 
-    def reassign(self, request_id: str, old: str, new: str) -> bool:
+    @op
+    def reassign(self, request_id: str, old: str, new: str) -> Steps[bool]:
         """Give an unfinished request held by ``old`` to ``new``, only if ``old`` still holds it."""
-        return bool(self.redis.eval(_REASSIGN, 1, self.store.key(request_id), old, new))
+        (done,) = yield [("EVAL", _REASSIGN, 1, self.store.key(request_id), old, new)]
+        return bool(done)
 
 
 class Lease:
@@ -220,6 +227,7 @@ class Router:
     def __init__(self, registry: Registry, refresh: float = 0.25, imbalance: float = 2.0, slack: int = 8):
         """Prefix affinity holds while the matched engine's load <= ``imbalance`` x the least loaded's + ``slack``."""
         self.registry = registry
+        self.drive = registry.drive
         self.refresh = refresh
         self.imbalance, self.slack = imbalance, slack
         self._read: list[EngineInfo] | None = None  # the registry's read the loads below follow
@@ -227,9 +235,10 @@ class Router:
         self._sent: dict[str, int] = {}  # requests routed to each engine since that read
         self.block_size = 16  # the live engines' KV block size (the smallest, should they differ)
 
-    def engines(self) -> list[EngineInfo]:
+    @op
+    def engines(self) -> Steps[list[EngineInfo]]:
         """Live, serving engines (re-read from Redis at most every ``refresh`` seconds)."""
-        read = self.registry.live(self.refresh)
+        read = yield from self.registry.live.steps(self.registry, self.refresh)
         if read is not self._read:
             self._read, self._gone, self._sent = read, set(), {}
             self.block_size = min((e.block_size for e in read), default=self.block_size)
@@ -239,10 +248,11 @@ class Router:
         """An engine did not answer: leave it out until the registry is read again."""
         self._gone.add(name)
 
+    @op
     def choose(self, prompt_ids: list[int], model: str = "", exclude: str | None = None,
-               scope: str = "") -> Route | None:
+               scope: str = "") -> Steps[Route | None]:
         """The engine for a new request (it writes nothing: ``remember`` does, once an engine accepted it)."""
-        engines = [e for e in self.engines() if e.name != exclude]
+        engines = [e for e in (yield from self.engines.steps(self)) if e.name != exclude]
         if not engines:
             return None
         load = {e.name: e.load + self._sent.get(e.name, 0) for e in engines}
@@ -250,7 +260,7 @@ class Router:
         keys = route_keys(prompt_ids, self.block_size, model, scope) if len(engines) > 1 else []
         route = Route(least, "balance" if len(engines) > 1 else "only")
         if keys:
-            owners = self.registry.redis.mget([f"{self.registry.prefix}:route:{k}" for k in keys])
+            (owners,) = yield [("MGET", *(f"{self.registry.prefix}:route:{k}" for k in keys))]
             by_name = {e.name: e for e in engines}
             for i in range(len(owners) - 1, -1, -1):  # the longest prefix an engine still live took
                 owner = owners[i].decode() if owners[i] is not None else None
@@ -262,7 +272,8 @@ class Router:
         self._sent[route.engine.name] = self._sent.get(route.engine.name, 0) + 1
         return route
 
-    def remember(self, prompt_ids: list[int], engine: str, model: str = "", scope: str = "") -> None:
+    @op
+    def remember(self, prompt_ids: list[int], engine: str, model: str = "", scope: str = "") -> Steps[None]:
         """An engine accepted a request: its prompt's prefixes route there from now on. Only the blocks at depths
         1, 2, 4, ... and the last are written (at most ``len(ROUTE_DEPTHS) + 1`` keys a request): a later
         prompt sharing n blocks still finds the deepest written one within them."""
@@ -270,7 +281,5 @@ class Router:
         if not keys:
             return
         depths = sorted({d for d in ROUTE_DEPTHS if d <= len(keys)} | {len(keys)})
-        pipe = self.registry.redis.pipeline(transaction=False)
-        for depth in depths:
-            pipe.set(f"{self.registry.prefix}:route:{keys[depth - 1]}", engine, px=int(ROUTE_TTL * 1000))
-        pipe.execute()
+        yield [("SET", f"{self.registry.prefix}:route:{keys[depth - 1]}", engine, "PX", int(ROUTE_TTL * 1000))
+               for depth in depths]

@@ -190,16 +190,22 @@ def _internal_tls(folder: str | None = None) -> tuple[bytes, bytes, bytes] | Non
         raise ConfigError(f"{INTERNAL_TLS_ENV}={folder}: {exc}") from exc
 
 
-def internal_channel(address: str, tls_dir: str | None = None) -> grpc.Channel:
+def internal_channel(address: str, tls_dir: str | None = None, aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
     """A channel to another Conveyor service: mutual TLS with the certificates in ``tls_dir``, or in
     ``CONVEYOR_INTERNAL_TLS_DIR`` when that is set. Every service's certificate names ``conveyor-internal``, so
-    any address (IP, compose name) works."""
+    any address (IP, compose name) works. ``aio``: a channel for the running event loop (``grpc.aio``)."""
+    kind = grpc.aio if aio else grpc
     tls = _internal_tls(tls_dir)
     if tls is None:
-        return grpc.insecure_channel(address, options=channel_options())
+        return kind.insecure_channel(address, options=channel_options())
     ca, cert, key = tls
     options = [*channel_options(), ("grpc.ssl_target_name_override", INTERNAL_TLS_NAME)]
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
+    return kind.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
+
+
+def internal_aio_channel(address: str) -> grpc.aio.Channel:
+    """``internal_channel`` on the running event loop."""
+    return internal_channel(address, aio=True)
 
 
 def bind_internal(server: grpc.Server, host: str, port: int) -> int:

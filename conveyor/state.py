@@ -43,12 +43,16 @@ is idempotent. The scheduler's copy is authoritative for the requests it holds.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
+from collections.abc import Callable, Generator
 from dataclasses import KW_ONLY, dataclass, field
+from typing import TypeVar
 
 import redis
+import redis.asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -58,6 +62,7 @@ from conveyor.params import RequestParams
 # Redis could not be reached (it may be restarting): retry. Any other RedisError concerns one command,
 # so one request: it is that request's error, never a sign that Redis is down.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+T = TypeVar("T")
 
 
 def new_request_key() -> str:
@@ -129,8 +134,26 @@ class RequestRecord:
         )
 
 
+Steps = Generator[list[tuple], list, T]  # a Redis operation: yields round trips (commands sent together), gets their results
+
+
+def op(steps: Callable[..., Steps]) -> Callable:
+    """A Redis operation written once, as a generator of round trips: each ``yield`` sends a list of commands in
+    one pipeline and receives their results. The object's ``drive`` runs it: at once on a ``RequestStore``, as a
+    coroutine on an ``AsyncRequestStore`` (the frontend's, on its event loop). ``method.steps(obj, ...)`` is the
+    generator itself, for one operation made of others (``yield from``)."""
+
+    @functools.wraps(steps)
+    def run(self, *args, **kwargs):
+        return self.drive(steps(self, *args, **kwargs))
+
+    run.steps = steps
+    return run
+
+
 class RequestStore:
-    """Reads and writes the layout above. Thread-safe (redis-py pools its connections)."""
+    """Reads and writes the layout above. Thread-safe (redis-py pools its connections). Its operations
+    (``@op``) run to completion here; ``AsyncRequestStore`` runs the same ones on an event loop."""
 
     def __init__(self, client: redis.Redis, prefix: str = "conveyor", finished_ttl: float = 600.0):
         self.redis = client
@@ -138,10 +161,28 @@ class RequestStore:
         self.finished_ttl = finished_ttl
         self.fenced_step = client.register_script(_FENCED_STEP)  # EVALSHA, loaded again after a Redis restart
 
+    OPTIONS = {"socket_timeout": 5, "socket_connect_timeout": 5, "health_check_interval": 10}
+
     @classmethod
     def from_url(cls, url: str, prefix: str = "conveyor", finished_ttl: float = 600.0) -> RequestStore:
-        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=10)
-        return cls(client, prefix, finished_ttl)
+        return cls(redis.Redis.from_url(url, **cls.OPTIONS), prefix, finished_ttl)
+
+    def drive(self, steps: Steps):
+        """Run an operation's round trips, one after another; its result."""
+        try:
+            commands = next(steps)
+            while True:
+                commands = steps.send(self._send(commands))
+        except StopIteration as done:
+            return done.value
+
+    def _send(self, commands: list[tuple]) -> list:
+        if len(commands) == 1:
+            return [self.redis.execute_command(*commands[0])]
+        pipe = self.redis.pipeline(transaction=False)
+        for args in commands:
+            pipe.execute_command(*args)
+        return pipe.execute()
 
     def key(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
@@ -156,71 +197,110 @@ class RequestStore:
     def inflight_key(self) -> str:
         return f"{self.prefix}:inflight"
 
-    def create(self, record: RequestRecord) -> bool:
+    @op
+    def create(self, record: RequestRecord) -> Steps[bool]:
         """Record a new request; False (and nothing written) when its owner already uses its client id."""
         fields = [item for pair in record.to_hash().items() for item in pair]
         keys = [self.alias_key(record.owner, record.client_id), self.key(record.request_id), self.inflight_key]
-        return bool(self.redis.eval(_CREATE, len(keys), *keys, record.request_id, repr(record.arrival), *fields))
+        (created,) = yield [("EVAL", _CREATE, len(keys), *keys, record.request_id, repr(record.arrival), *fields)]
+        return bool(created)
 
-    def discard(self, record: RequestRecord) -> None:
-        """Remove a request that was recorded but never accepted (the scheduler refused it)."""
-        pipe = self.redis.pipeline()
-        pipe.delete(self.key(record.request_id), self.out_key(record.request_id))
-        pipe.zrem(self.inflight_key, record.request_id)
-        pipe.execute()
-        _delete_if(self.redis, self.alias_key(record.owner, record.client_id), record.request_id)
+    @op
+    def discard(self, record: RequestRecord) -> Steps[None]:
+        """Remove a request that was recorded but never accepted (the scheduler refused it), in one script."""
+        rid = record.request_id
+        keys = [self.key(rid), self.out_key(rid), self.inflight_key, self.alias_key(record.owner, record.client_id)]
+        yield [("EVAL", _DISCARD, len(keys), *keys, rid)]
 
-    def lookup(self, owner: str, client_id: str) -> str | None:
+    @op
+    def lookup(self, owner: str, client_id: str) -> Steps[str | None]:
         """The key of the request ``owner`` named ``client_id``, while its record lives."""
-        key = self.redis.get(self.alias_key(owner, client_id))
+        (key,) = yield [("GET", self.alias_key(owner, client_id))]
         return key.decode() if key is not None else None
 
-    def find(self, client_id: str, owner: str = "") -> RequestRecord | None:
+    @op
+    def find(self, client_id: str, owner: str = "") -> Steps[RequestRecord | None]:
         """The record of the request ``owner`` named ``client_id`` (None: unknown, another key's, expired)."""
-        key = self.lookup(owner, client_id)
-        return self.get(key) if key is not None else None
+        key = yield from self.lookup.steps(self, owner, client_id)
+        return (yield from self.get.steps(self, key)) if key is not None else None
 
-    def get(self, request_id: str) -> RequestRecord | None:
+    @op
+    def get(self, request_id: str) -> Steps[RequestRecord | None]:
         """A request's whole record with its output tokens, read in one round trip; None when Redis has none."""
-        pipe = self.redis.pipeline()
-        pipe.hgetall(self.key(request_id))
-        pipe.lrange(self.out_key(request_id), 0, -1)
-        raw, out = pipe.execute()
+        raw, out = yield [("HGETALL", self.key(request_id)), ("LRANGE", self.out_key(request_id), 0, -1)]
         fields = {k.decode(): v.decode() for k, v in raw.items()}
         if "prompt_ids" not in fields:
             return None
         return RequestRecord.from_hash(fields, [int(t) for t in out])
 
-    def progress(self, request_id: str) -> tuple[int, bool] | None:
+    @op
+    def progress(self, request_id: str) -> Steps[tuple[int, bool] | None]:
         """(output tokens recorded, finished?) in one round trip; None when there is no record."""
-        num_output, status = self.redis.hmget(self.key(request_id), "num_output", "status")
+        ((num_output, status),) = yield [("HMGET", self.key(request_id), "num_output", "status")]
         if status is None:
             return None
         return int(num_output or 0), status == b"finished"
 
-    def cached_tokens(self, request_id: str) -> int:
+    @op
+    def cached_tokens(self, request_id: str) -> Steps[int]:
         """Prompt tokens the prefix cache held for the request (``usage.prompt_tokens_details.cached_tokens``)."""
-        return int(self.redis.hget(self.key(request_id), "cached_tokens") or 0)
+        (cached,) = yield [("HGET", self.key(request_id), "cached_tokens")]
+        return int(cached or 0)
 
-    def prompt_logprobs(self, request_id: str) -> list | None:
+    @op
+    def prompt_logprobs(self, request_id: str) -> Steps[list | None]:
         """The request's scored prompt (``prompt_logprobs`` in the layout), once its first token is written."""
-        raw = self.redis.hget(self.key(request_id), "prompt_logprobs")
+        (raw,) = yield [("HGET", self.key(request_id), "prompt_logprobs")]
         return json.loads(raw) if raw is not None else None
 
-    def set_frontend(self, request_id: str, address: str) -> bool:
+    @op
+    def set_frontend(self, request_id: str, address: str) -> Steps[bool]:
         """Deliver this request's deltas to another frontend from now on (a client resumed there). A record that
         expired meanwhile is not brought back as a stray hash without a TTL: False then."""
-        return bool(self.redis.eval(_SET_IF_EXISTS, 1, self.key(request_id), "frontend", address))
+        (done,) = yield [("EVAL", _SET_IF_EXISTS, 1, self.key(request_id), "frontend", address)]
+        return bool(done)
 
-    def inflight(self) -> list[str]:
+    @op
+    def inflight(self) -> Steps[list[str]]:
         """Ids of unfinished requests, oldest first."""
-        return [i.decode() for i in self.redis.zrange(self.inflight_key, 0, -1)]
+        (keys,) = yield [("ZRANGE", self.inflight_key, 0, -1)]
+        return [i.decode() for i in keys]
 
-    def ttl(self, request_id: str) -> float:
-        return self.redis.pttl(self.key(request_id)) / 1000
+    @op
+    def ttl(self, request_id: str) -> Steps[float]:
+        (ms,) = yield [("PTTL", self.key(request_id))]
+        return ms / 1000
 
     def writer(self) -> StepWriter:
         return StepWriter(self)
+
+
+class AsyncRequestStore(RequestStore):
+    """The same store on an event loop (``redis.asyncio``): each operation is a coroutine. The frontend's,
+    so that no request's Redis round trip holds a thread."""
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "conveyor", finished_ttl: float = 600.0) -> AsyncRequestStore:
+        return cls(redis.asyncio.Redis.from_url(url, **cls.OPTIONS), prefix, finished_ttl)
+
+    async def drive(self, steps: Steps):
+        try:
+            commands = next(steps)
+            while True:
+                commands = steps.send(await self._send(commands))
+        except StopIteration as done:
+            return done.value
+
+    async def _send(self, commands: list[tuple]) -> list:
+        if len(commands) == 1:
+            return [await self.redis.execute_command(*commands[0])]
+        pipe = self.redis.pipeline(transaction=False)
+        for args in commands:
+            pipe.execute_command(*args)
+        return await pipe.execute()
+
+    def writer(self) -> StepWriter:
+        raise TypeError("a step's writes are the scheduler's, on its own (synchronous) store")
 
 
 # KEYS: alias, hash, inflight; ARGV: request key, arrival, then the hash's fields and values.
@@ -254,12 +334,13 @@ end
 return {taken, results}
 """
 _SCRIPT_MAX_ARGS = 4000  # a command with more (a long output restored whole) takes the WATCH form: Lua's unpack limit
-_DELETE_IF = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-
-
-def _delete_if(client: redis.Redis, key: str, value: str) -> None:
-    """Delete ``key`` only while it still holds ``value`` (an alias another request took stays)."""
-    client.eval(_DELETE_IF, 1, key, value)
+# KEYS: hash, out list, inflight, alias; ARGV: request key. The alias goes only while it names this request.
+_DISCARD = """
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+return 1
+"""
 
 
 class Fenced(Exception):

@@ -99,9 +99,9 @@ def test_a_request_writes_a_bounded_number_of_route_keys_and_only_once_accepted(
     prompt = list(range(16 * 300 + 1))  # 300 full blocks (the first 256 route)
     pattern = f"{registry.prefix}:route:*"
     route = router.choose(prompt)
-    assert list(registry.redis.scan_iter(pattern)) == []  # chosen, not yet accepted: nothing written
+    assert list(registry.store.redis.scan_iter(pattern)) == []  # chosen, not yet accepted: nothing written
     router.remember(prompt, route.engine.name)
-    assert len(list(registry.redis.scan_iter(pattern))) == 9  # depths 1, 2, 4, ..., 256
+    assert len(list(registry.store.redis.scan_iter(pattern))) == 9  # depths 1, 2, 4, ..., 256
     deep = router.choose(prompt[: 16 * 200 + 1])  # shares 200 blocks: found at depth 128
     assert (deep.engine.name, deep.reason, deep.matched_blocks) == (route.engine.name, "prefix", 128)
 
@@ -123,7 +123,7 @@ def test_the_router_keys_prompts_by_the_engines_block_size(registry):
     first = router.choose(head + [1, 2, 3])
     router.remember(head + [1, 2, 3], first.engine.name)
     assert router.block_size == 32
-    assert len(list(registry.redis.scan_iter(f"{registry.prefix}:route:*"))) == 1  # one full block of 32
+    assert len(list(registry.store.redis.scan_iter(f"{registry.prefix}:route:*"))) == 1  # one full block of 32
     again = router.choose(head + [7, 8, 9])
     assert (again.engine.name, again.reason, again.matched_blocks) == (first.engine.name, "prefix", 1)
 

@@ -33,63 +33,69 @@ def test_a_merged_delta_stops_at_the_finish_and_later_ones_wait():
     assert (second.text, second.token_ids, second.first_token_index, second.finish_reason) == ("bc", [2, 3], 1, None)
 
 
-class _SlowDelta(Delta):
-    """A replayed delta that takes its time to be read: its second read of ``first_token_index`` (in the middle
-    of ``offer``, after the stream's counters were read) waits until live delivery had its chance to run."""
-
-    def __init__(self, *args, reading, go, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._reading, self._go, self._reads = reading, go, 0
-
-    def __getattribute__(self, name):
-        if name == "first_token_index":
-            self._reads += 1
-            if self._reads == 2:
-                self._reading.set()
-                self._go.wait(0.5)
-        return super().__getattribute__(name)
-
-
-def test_a_replay_overlapping_live_delivery_reaches_the_client_exactly_once():
-    """A stream behind Redis asks for a replay (fetched on the pool) while Deliver keeps handing it live
-    deltas on the loop: the client gets every character and token exactly once, in order. (When the replay
-    was offered from the pool thread, a live delta landing in the middle of it was sent twice.)"""
+def _follow_with_replays(replies, live):
+    """Follow a stream that is behind (its first delta, "Hel", arrived; the rest went missing), on a frontend
+    whose replays answer ``replies`` in turn. ``live(frontend)`` runs beside it: the detokenizer's live
+    deliveries. Returns what the client got."""
     import asyncio
-    import threading
 
     from conveyor.metrics import Metrics
     from tokenizer_svc.frontend import Frontend
-    from tokenizer_svc.streaming import Blocking, RequestTimer, follow
-
-    reading, go = threading.Event(), threading.Event()
-
-    def replay(request_id, address):  # the detokenizer's replay from Redis: everything so far, and the end
-        return [_SlowDelta("key", 0, text="Hello", first_token_index=0, token_ids=[10, 11], reading=reading, go=go),
-                Delta("key", 5, text=" world", first_token_index=2, token_ids=[12], finish_reason="stop",
-                      prompt_tokens=3, completion_tokens=3)]
-
-    frontend = Frontend(None, None, None, "fe:1", submit=None, abort=lambda rid: True, replay=replay)
-    stream = ClientStream("key", prompt_tokens=3)
-    frontend.streams["key"] = stream
-    metrics = Metrics("frontend")
+    from tokenizer_svc.streaming import RequestTimer, follow
 
     async def run():
+        asked, delivered = asyncio.Event(), asyncio.Event()
+        answers = iter(replies)
+
+        async def replay(request_id, address):  # the detokenizer's replay: in flight until live delivery ran
+            asked.set()
+            await delivered.wait()
+            return next(answers)
+
+        frontend = Frontend(None, None, None, "fe:1", submit=None, abort=None, replay=replay)
+        stream = ClientStream("key", prompt_tokens=3)
+        frontend.streams["key"] = stream
         frontend.deliver([Delta("key", 0, text="Hel", first_token_index=0, token_ids=[10])])
         stream.behind = True  # a delta went missing: the next keep_up replays
 
-        async def live():  # the detokenizer's next live delta, arriving while the replay is being offered
-            while not reading.is_set():
-                await asyncio.sleep(0.001)
-            frontend.deliver([Delta("key", 3, text="lo", first_token_index=1, token_ids=[11])])
-            go.set()
+        async def deliverer():
+            await asked.wait()
+            live(frontend)
+            delivered.set()
 
-        deliverer = asyncio.create_task(live())
-        got = [d async for d in follow(stream, Blocking(frontend, threads=2), RequestTimer(metrics), metrics)]
-        await deliverer
+        task = asyncio.create_task(deliverer())
+        metrics = Metrics("frontend")
+        got = [d async for d in follow(stream, frontend, RequestTimer(metrics), metrics)]
+        await task
         return got
 
-    got = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_replay_overlapping_live_delivery_reaches_the_client_exactly_once():
+    """A stream behind Redis asks for a replay; while the replay is in flight Deliver hands it the next live
+    delta. The client gets every character and token exactly once, in order."""
+    everything = [Delta("key", 0, text="Hello", first_token_index=0, token_ids=[10, 11]),
+                  Delta("key", 5, text=" world", first_token_index=2, token_ids=[12], finish_reason="stop",
+                        prompt_tokens=3, completion_tokens=3)]
+    got = _follow_with_replays([everything], lambda f: f.deliver([Delta("key", 3, text="lo", first_token_index=1,
+                                                                        token_ids=[11])]))
     assert "".join(d.text for d in got) == "Hello world"
     assert [t for d in got for t in d.token_ids] == [10, 11, 12]
     assert [d.first_token_index for d in got] == sorted(d.first_token_index for d in got)
+    assert got[-1].finish_reason == "stop"
+
+
+def test_a_live_delta_dropped_while_a_replay_is_in_flight_is_replayed_next():
+    """The replay was read from Redis before the live delta's tokens were written: that delta, arriving while
+    the replay travels, starts past what the client has and is dropped. The stream stays behind and replays
+    again at its next poll (it does not wait out the stall check), and the client gets everything exactly once."""
+    first = [Delta("key", 0, text="Hello", first_token_index=0, token_ids=[10, 11])]
+    second = [*first, Delta("key", 5, text=" world", first_token_index=2, token_ids=[12], finish_reason="stop",
+                            prompt_tokens=3, completion_tokens=3)]
+    got = _follow_with_replays([first, second], lambda f: f.deliver([Delta(
+        "key", 5, text=" world", first_token_index=2, token_ids=[12], finish_reason="stop", prompt_tokens=3,
+        completion_tokens=3)]))
+    assert "".join(d.text for d in got) == "Hello world"
+    assert [t for d in got for t in d.token_ids] == [10, 11, 12]
     assert got[-1].finish_reason == "stop"

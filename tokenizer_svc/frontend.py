@@ -11,19 +11,19 @@ A stream that hears nothing for ``STALL_SECONDS`` compares itself with Redis; if
 ahead at the next look (a delivery was lost while some process restarted, not merely in flight),
 it asks for a replay too. So no token is lost or repeated whichever process restarts.
 
-A stream's state belongs to the event loop: every delta is offered there, the live ones by Deliver and
-the replayed ones by ``follow`` once the replay (fetched on the pool, ``keep_up``) is back, so a replay
-that overlaps live delivery cannot repeat or skip text. What runs on the pool (``open``, ``resume``,
-``keep_up``) only reads a stream's counters or sets ``behind``.
+Everything here runs on the frontend's event loop, so a stream's state is only ever changed there: live
+deltas are offered by Deliver, replayed ones by ``keep_up`` once its replay is back, and no lock is needed.
+Redis (``AsyncRequestStore``), the schedulers and the detokenizer are reached without blocking the loop;
+only tokenizing (CPU work that would stall every other stream) runs on a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import KW_ONLY, dataclass, field
 
 from redis.exceptions import RedisError
@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 from conveyor.errors import AlreadyExists, ConveyorError, InvalidArgument, NotFound, Unavailable
 from conveyor.messages import Delta
 from conveyor.params import Limits, SamplingDefaults
-from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore, new_request_key
+from conveyor.state import REDIS_DOWN, AsyncRequestStore, RequestRecord, new_request_key
 from conveyor.tokenizer import ModelTokenizer
 from tokenizer_svc.validation import GenerateInput, build_params, cache_scope, check_input, check_size
 
@@ -76,10 +76,9 @@ class ClientStream:
         self.prompt_ids: list[int] = []  # with scores_prompt: the prompt (echoed with its scores)
         self._queue: deque[ClientDelta] = deque()  # the loop's alone: no lock
         self.wake: Callable[[], None] = lambda: None  # called after each delta queued
-        self.replayed: list[Delta] = []  # fetched off the loop by keep_up: offered by follow, on the loop
 
     def offer(self, d: Delta) -> None:
-        """Queue the unseen part of a delta. On the event loop only (Deliver, and ``follow`` for replays)."""
+        """Queue the unseen part of a delta (on the event loop: Deliver's live ones, ``keep_up``'s replayed ones)."""
         if self.finished:
             return
         if d.first_token_index > self.num_tokens or d.text_offset > self.text_len:
@@ -102,17 +101,10 @@ class ClientStream:
         self.wake()
 
     def due(self, now: float) -> bool:
-        """Whether ``Frontend.keep_up`` has work now (a replay, or a look at Redis): without I/O, so that a
-        waiting stream asks the pool only when it does."""
+        """Whether ``Frontend.keep_up`` has work now (a replay, or a look at Redis), without I/O."""
         if self.finished:
             return False
         return self.behind or (now - self.last_activity >= STALL_SECONDS and now - self.last_check >= STALL_SECONDS)
-
-    def offer_replayed(self) -> None:
-        """Offer what the last replay brought (on the loop, once ``keep_up`` is back)."""
-        replayed, self.replayed = self.replayed, []
-        for d in replayed:
-            self.offer(d)
 
     def take(self) -> ClientDelta | None:
         """The next delta, merged with those already queued behind it (a frontend that fell behind by a
@@ -130,28 +122,29 @@ class ClientStream:
 
 
 class Frontend:
-    def __init__(self, tokenizer: ModelTokenizer, store: RequestStore, limits: Limits, address: str,
-                 submit: Callable[[RequestRecord], None], abort: Callable[[str], bool],
-                 replay: Callable[[str, str], list[Delta]],
-                 route: Callable[[list[int], str], str] = lambda ids, scope: "", shared_prefix_cache: bool = False):
+    def __init__(self, tokenizer: ModelTokenizer, store: AsyncRequestStore, limits: Limits, address: str,
+                 submit: Callable[[RequestRecord], Awaitable[None]], abort: Callable[[str], Awaitable[bool]],
+                 replay: Callable[[str, str], Awaitable[list[Delta]]],
+                 route: Callable[[list[int], str], Awaitable[str]] | None = None, shared_prefix_cache: bool = False):
         """``address``: where the detokenizer reaches this frontend's Deliver service; ``submit(record)`` hands a
         recorded request to its engine (it may change ``record.engine`` for a retry when that engine is gone);
         ``replay(request_id, address)``: the detokenizer's deltas of the request so far, rebuilt from Redis;
-        ``route(prompt_ids, cache_scope)``: the engine a new request goes to. ``shared_prefix_cache``: every API
-        key reuses every other's cached prefixes (a trusted deployment); else each key has its own."""
+        ``route(prompt_ids, cache_scope)``: the engine a new request goes to. Each is a coroutine function.
+        ``shared_prefix_cache``: every API key reuses every other's cached prefixes (a trusted deployment); else
+        each key has its own."""
         self.shared_prefix_cache = shared_prefix_cache
         self.tokenizer = tokenizer
         self.store = store
         self.limits = limits
         self.address = address
         self.submit = submit
-        self.route = route
+        self.route = route or _no_route
         self.abort_at_scheduler = abort
         self.replay = replay
         self.on_stalled: Callable[[], None] = lambda: None  # counted by the server
         self.defaults = SamplingDefaults()  # for sampling fields a request leaves unset (the model's own)
         self.streams: dict[str, ClientStream] = {}
-        self.lock = threading.Lock()
+        self._tasks: set[asyncio.Task] = set()  # work that outlives its caller: aborts retried, openings finished
 
     def render(self, inp: GenerateInput) -> tuple[str, list[int]]:
         """The prompt text (chat rendered with the model's template) and its token ids."""
@@ -165,46 +158,70 @@ class Frontend:
             return self.tokenizer.decode(inp.prompt_ids), list(inp.prompt_ids)
         return inp.prompt, self.tokenizer.encode(inp.prompt, add_special_tokens=inp.add_special_tokens)
 
-    def open(self, inp: GenerateInput, owner: str = "", submit_timeout: float = 60.0) -> ClientStream:
-        """Check, tokenize, record in Redis, submit; returns the stream the deltas will arrive on."""
+    async def tokenize(self, inp: GenerateInput) -> tuple[str, list[int]]:
+        """``render`` on a thread: a long prompt's tokenizing must not hold up every other stream's tokens."""
+        return await asyncio.to_thread(self.render, inp)
+
+    async def open(self, inp: GenerateInput, owner: str = "", submit_timeout: float = 60.0) -> ClientStream:
+        """Check, tokenize, record in Redis, submit; returns the stream the deltas will arrive on. A caller that
+        goes away meanwhile leaves the opening to finish, and its stream is then closed (the request aborted):
+        a request half recorded or submitted is never left behind."""
+        return await self._finished_even_if_left(self._open(inp, owner, submit_timeout))
+
+    async def _open(self, inp: GenerateInput, owner: str, submit_timeout: float) -> ClientStream:
         check_input(inp, self.limits)
-        prompt_ids = list(inp.prompt_ids) if inp.prompt_ids is not None else self.render(inp)[1]  # ids: no decoding
+        prompt_ids = list(inp.prompt_ids) if inp.prompt_ids is not None else (await self.tokenize(inp))[1]
         params = build_params(inp, len(prompt_ids), self.limits, self.defaults,
                               cache_scope(owner, inp.cache_salt, self.shared_prefix_cache))
         request_id = new_request_key()  # the client's id is only its name (see conveyor.state)
-        engine = _with_redis(lambda: self.route(prompt_ids, params.cache_scope), "choosing an engine")
+        engine = await _with_redis(lambda: self.route(prompt_ids, params.cache_scope), "choosing an engine")
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
                                client_id=inp.request_id, engine=engine)
         stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id)
         stream.scores_prompt = params.sampling.prompt_logprobs is not None
         stream.prompt_ids = prompt_ids if stream.scores_prompt else []  # kept only to echo them with their scores
-        with self.lock:
-            self.streams[request_id] = stream
+        self.streams[request_id] = stream
         try:
-            if not _with_redis(lambda: self.store.create(record), "recording the request"):
+            if not await _with_redis(lambda: self.store.create(record), "recording the request"):
                 raise AlreadyExists(f"request_id {record.client_id!r} is already in use by this API key (in flight, "
                                     "or finished less than --finished-ttl ago)")
-            self._submit(record, submit_timeout)
+            await self._submit(record, submit_timeout)
         except BaseException:
-            self._unregister(request_id)
+            self.streams.pop(request_id, None)
             raise
         return stream
 
-    def _submit(self, record: RequestRecord, timeout: float) -> None:
+    async def _finished_even_if_left(self, opening: Coroutine) -> ClientStream:
+        task = self._background(opening)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def close(done: asyncio.Task) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.close(done.result().request_id, done.result())
+            task.add_done_callback(close)
+            raise
+
+    def _background(self, work: Coroutine) -> asyncio.Task:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _submit(self, record: RequestRecord, timeout: float) -> None:
         """Submit, retrying while the scheduler is unavailable (it may be restarting: a restarted
         scheduler also finds the request in Redis). A refusal removes the record again."""
         try:
-            _retry(lambda: self.submit(record), Unavailable, timeout)
+            await _retry(lambda: self.submit(record), Unavailable, timeout)
         except ConveyorError:
-            self.store.discard(record)
+            await self.store.discard(record)
             raise
 
     def deliver(self, deltas: list[Delta]) -> list[str]:
         """Hand deltas to their streams; returns ids this frontend holds no stream for."""
         unknown = []
         for d in deltas:
-            with self.lock:
-                stream = self.streams.get(d.request_id)
+            stream = self.streams.get(d.request_id)
             if stream is None:
                 unknown.append(d.request_id)
             else:
@@ -212,39 +229,38 @@ class Frontend:
         return unknown
 
     def close(self, request_id: str, stream: ClientStream | None = None) -> None:
-        """The client's call ended (finished, cancelled, disconnected or timed out). ``stream``: only if
-        it is still this one (a client may have resumed the request on a new stream meanwhile)."""
-        with self.lock:
-            if stream is not None and self.streams.get(request_id) is not stream:
-                return
-            stream = self.streams.pop(request_id, None)
+        """The client's call ended (finished, cancelled, disconnected or timed out): an unfinished request is
+        aborted, in the background. ``stream``: only if it is still this one (a client may have resumed the
+        request on a new stream meanwhile)."""
+        if stream is not None and self.streams.get(request_id) is not stream:
+            return
+        stream = self.streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            try:
-                self.abort_at_scheduler(request_id)
-            except ConveyorError as exc:  # the scheduler is restarting: keep trying for a while
-                log.warning("abort of %s failed (%s); retrying", request_id, exc)
-                threading.Thread(target=self._abort_later, args=(request_id,), daemon=True).start()
+            self._background(self._abort_until_done(request_id))
 
-    def _abort_later(self, request_id: str, give_up_after: float = 60.0) -> None:
-        time.sleep(0.2)
+    async def _abort_until_done(self, request_id: str, give_up_after: float = 60.0) -> None:
+        """Abort at the scheduler, retrying for a while: it may be restarting."""
         try:
-            _retry(lambda: self.abort_at_scheduler(request_id), ConveyorError, give_up_after, 0.4, 2.0)
+            await _retry(lambda: self.abort_at_scheduler(request_id), ConveyorError, give_up_after, 0.2, 2.0)
         except ConveyorError as exc:
             log.warning("gave up aborting %s: %s", request_id, exc)
 
-    def abort(self, client_id: str, owner: str = "") -> bool:
+    async def abort(self, client_id: str, owner: str = "") -> bool:
         """The public Abort: the stream (here or on another frontend) ends with finish_reason abort.
         Ids are the owner's: another key's request of the same name is not this one."""
-        record = _with_redis(lambda: self.store.find(client_id, owner), "reading the request")
+        record = await _with_redis(lambda: self.store.find(client_id, owner), "reading the request")
         if record is None:
             return False
-        return self.abort_at_scheduler(record.request_id)
+        return await self.abort_at_scheduler(record.request_id)
 
-    def resume(self, client_id: str, token_index: int, text_offset: int, owner: str = "") -> ClientStream:
+    async def resume(self, client_id: str, token_index: int, text_offset: int, owner: str = "") -> ClientStream:
         """Continue a request's stream here (its frontend died, or the client's connection broke) from
         what the client already has; the detokenizer delivers to this frontend from now on. Only the
         owner can resume, so only the owner moves delivery."""
-        record = _with_redis(lambda: self.store.find(client_id, owner), "reading the request")
+        return await self._finished_even_if_left(self._resume(client_id, token_index, text_offset, owner))
+
+    async def _resume(self, client_id: str, token_index: int, text_offset: int, owner: str) -> ClientStream:
+        record = await _with_redis(lambda: self.store.find(client_id, owner), "reading the request")
         if record is None:
             raise NotFound(f"request_id {client_id!r}: no such request (unknown, another key's, or finished "
                            "and expired)")
@@ -255,32 +271,31 @@ class Frontend:
         stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset, client_id)
         stream.scores_prompt = record.params.sampling.prompt_logprobs is not None
         stream.prompt_ids = record.prompt_ids if stream.scores_prompt else []
-        with self.lock:
-            self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed
-        if not _with_redis(lambda: self.store.set_frontend(request_id, self.address), "claiming the request"):
-            self._unregister(request_id)
+        self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed
+        if not await _with_redis(lambda: self.store.set_frontend(request_id, self.address), "claiming the request"):
+            self.streams.pop(request_id, None)
             raise NotFound(f"request_id {client_id!r}: its record expired just now")
         stream.behind = True
-        self.keep_up(stream, claim=True)
+        await self.keep_up(stream, claim=True)
         return stream
 
-    def cached_tokens(self, stream: ClientStream) -> int:
+    async def cached_tokens(self, stream: ClientStream) -> int:
         """Prompt tokens of the request the prefix cache held (recorded by the scheduler at admission)."""
-        return _with_redis(lambda: self.store.cached_tokens(stream.request_id), "reading the request's usage")
+        return await _with_redis(lambda: self.store.cached_tokens(stream.request_id), "reading the request's usage")
 
-    def prompt_logprobs(self, stream: ClientStream) -> list:
+    async def prompt_logprobs(self, stream: ClientStream) -> list:
         """The request's scored prompt: the scheduler wrote it to Redis with the first token, before that
         token was published."""
-        return _with_redis(lambda: self.store.prompt_logprobs(stream.request_id), "reading the prompt's logprobs") or []
+        scored = await _with_redis(lambda: self.store.prompt_logprobs(stream.request_id), "reading the prompt's logprobs")
+        return scored or []
 
-    def failure(self, stream: ClientStream) -> str:
+    async def failure(self, stream: ClientStream) -> str:
         """Why the server ended a request with finish_reason "error" (recorded in Redis)."""
-        record = _with_redis(lambda: self.store.get(stream.request_id), "reading the request")
+        record = await _with_redis(lambda: self.store.get(stream.request_id), "reading the request")
         return (record.error if record is not None else None) or "the server could not compute this request"
 
-    def keep_up(self, stream: ClientStream, claim: bool = False) -> None:
-        """Called while a stream waits (on the pool): replay it from Redis when it is behind (see the module
-        doc), into ``stream.replayed`` for ``follow`` to offer on the loop.
+    async def keep_up(self, stream: ClientStream, claim: bool = False) -> None:
+        """Called while a stream waits: replay it from Redis when it is behind (see the module doc).
         ``claim``: deliver to this frontend from now on (a client resumed here); a stream that is merely
         behind never moves delivery (it may be a stale one whose client resumed elsewhere)."""
         now = time.monotonic()
@@ -289,7 +304,7 @@ class Frontend:
         if not stream.behind:
             stream.last_check = now
             try:
-                progress = self.store.progress(stream.request_id)
+                progress = await self.store.progress(stream.request_id)
             except REDIS_DOWN:
                 return  # Redis is restarting; look again later
             suspect, stream.suspect = stream.suspect, None
@@ -299,39 +314,40 @@ class Frontend:
                 stream.suspect = progress  # ahead now: maybe only in flight; replay if still so next time
                 return
             self.on_stalled()
+        stream.behind = False  # a live delta dropped while the replay is in flight sets it again
         try:
-            deltas = self.replay(stream.request_id, self.address if claim else "")
+            deltas = await self.replay(stream.request_id, self.address if claim else "")
         except ConveyorError as exc:
             log.warning("replay of %s failed (%s); trying again", stream.request_id, exc)
             stream.behind = True
             return
-        stream.behind = False
-        stream.replayed += deltas
-
-    def _unregister(self, request_id: str) -> ClientStream | None:
-        with self.lock:
-            return self.streams.pop(request_id, None)
+        for d in deltas:  # one go on the loop: no live delta lands in the middle
+            stream.offer(d)
 
 
-def _retry(call, retry_on, timeout: float, delay: float = 0.05, max_delay: float = 1.0):
-    """``call()``, again after a doubling delay while it raises ``retry_on``; once ``timeout`` seconds
+async def _no_route(prompt_ids: list[int], scope: str) -> str:
+    return ""
+
+
+async def _retry(call: Callable[[], Awaitable], retry_on, timeout: float, delay: float = 0.05, max_delay: float = 1.0):
+    """``await call()``, again after a doubling delay while it raises ``retry_on``; once ``timeout`` seconds
     have passed, the last error propagates."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return call()
+            return await call()
         except retry_on:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(delay)
+            await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
 
 
-def _with_redis(call, what: str, timeout: float = 10.0):
-    """``call()``, retried while Redis is unreachable (it may be restarting); then UNAVAILABLE. Any other
+async def _with_redis(call: Callable[[], Awaitable], what: str, timeout: float = 10.0):
+    """``await call()``, retried while Redis is unreachable (it may be restarting); then UNAVAILABLE. Any other
     Redis error is about this request alone: INTERNAL for this call, and nothing else is affected."""
     try:
-        return _retry(call, REDIS_DOWN, timeout)
+        return await _retry(call, REDIS_DOWN, timeout)
     except REDIS_DOWN as exc:
         raise Unavailable(f"Redis is unreachable ({what}): {exc}") from exc
     except RedisError as exc:

@@ -11,6 +11,7 @@ uses the same core as ``conveyor.v1.Conveyor``: the same validation and limits, 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -34,7 +35,6 @@ from tokenizer_svc.frontend import ClientStream, Frontend
 from tokenizer_svc.openai_bodies import (MAX_N, HttpError, body_field, chat_messages, error_response, from_conveyor,
                                          int_list, prompts_of, sampling_input, structured_input)
 from tokenizer_svc.openai_reply import Reply
-from tokenizer_svc.streaming import Blocking
 from tokenizer_svc.tools import Tools, chat_with_tools, tools_input
 from tokenizer_svc.validation import GenerateInput
 
@@ -68,12 +68,11 @@ class RequestIds:
 
 
 class OpenAIApi:
-    def __init__(self, frontend: Frontend, io: Blocking, metrics: Metrics, model_name: str,
+    def __init__(self, frontend: Frontend, metrics: Metrics, model_name: str,
                  access: Access, request_timeout: float = 0.0, allowed_origins: str = "*"):
         """``allowed_origins``: the CORS origins, comma-separated ("*": any, "": none)."""
         self.allowed_origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
         self.frontend = frontend
-        self.io = io
         self.metrics = metrics
         self.model = model_name
         self.access = access
@@ -201,7 +200,7 @@ class OpenAIApi:
                 if inp.prompt is None:
                     raise HttpError(400, "prompt (a string) or messages is required", "prompt")
             inp.add_special_tokens = body_field(body, "add_special_tokens", (bool,), True)
-            _, ids = await self.io.run(self.frontend.render, inp)
+            _, ids = await self.frontend.tokenize(inp)
             return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.frontend.limits.max_model_len})
         return await self._handle("/tokenize", request, work)
 
@@ -226,7 +225,7 @@ class OpenAIApi:
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise HttpError(400, f"tokens: id {bad[0]} is not below the vocabulary size {vocab}", "tokens")
-            return JSONResponse({"prompt": await self.io.run(self.frontend.tokenizer.decode, tokens)})
+            return JSONResponse({"prompt": await asyncio.to_thread(self.frontend.tokenizer.decode, tokens)})
         return await self._handle("/detokenize", request, work)
 
     def _tools(self, body: dict, common: GenerateInput) -> Tools | None:
@@ -277,7 +276,7 @@ class OpenAIApi:
         opened: list[ClientStream] = []
         try:
             for inp in inputs:
-                opened.append(await self.io.open(self.frontend.open, inp, owner))
+                opened.append(await self.frontend.open(inp, owner))
             # each choice's text starts with its prompt (token ids: their text)
             echoed = [(i.prompt if i.prompt is not None else self.frontend.tokenizer.decode(i.prompt_ids)) if echo
                       else "" for i in inputs]
@@ -288,7 +287,7 @@ class OpenAIApi:
                                          headers={"Cache-Control": "no-cache"})
         except BaseException:
             for s in opened:
-                self.io.close(s)
+                self.frontend.close(s.request_id, s)
             self.access.close_stream(owner, len(inputs))
             raise
         try:

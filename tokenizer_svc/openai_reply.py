@@ -49,7 +49,7 @@ class Reply:
 
     def _deltas(self, index: int) -> AsyncIterator[ClientDelta]:
         api = self.api
-        return follow(self.streams[index], api.io, RequestTimer(api.metrics), api.metrics, api.request_timeout)
+        return follow(self.streams[index], api.frontend, RequestTimer(api.metrics), api.metrics, api.request_timeout)
 
     def _choice(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
         if self.chat:
@@ -114,7 +114,7 @@ class Reply:
         """OpenAI's usage, with the prompt tokens the prefix cache held (each prompt once, whatever n)."""
         cached = 0
         for stream in self.streams[:: self.n]:
-            cached += await self.api.io.run(self.api.frontend.cached_tokens, stream)
+            cached += await self.api.frontend.cached_tokens(stream)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 

@@ -3,12 +3,13 @@
 Two gRPC servers in one process: the public one (clients) and the internal one (the detokenizer),
 so that the internal service can stay on localhost. Protobuf is converted here and nowhere else.
 
-The public server runs on asyncio: a client stream is a coroutine, not a thread, so the token a
-client receives costs no thread switch (on the thread-per-stream server each token woke the stream's
-thread and waited for gRPC's; ~85 against ~35 us of CPU per message). The internal server runs on
-the same event loop: Deliver hands each delta to its stream there and wakes the stream's coroutine,
-and a stream's state is only ever changed on the loop (``tokenizer_svc.frontend``). What blocks
-(Redis, the scheduler's Submit and Abort, replays) runs on a small thread pool, off the loop.
+The whole process runs on one asyncio event loop: a client stream is a coroutine, not a thread, so the
+token a client receives costs no thread switch (on the thread-per-stream server each token woke the
+stream's thread and waited for gRPC's; ~85 against ~35 us of CPU per message). The internal server runs
+on the same loop: Deliver hands each delta to its stream there and wakes the stream's coroutine, and a
+stream's state is only ever changed on the loop (``tokenizer_svc.frontend``). Redis (``redis.asyncio``),
+the schedulers' Submit and Abort and the detokenizer's Replay are awaited on the loop too (``grpc.aio``
+stubs); only tokenizing runs on a thread.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import ssl
-import time
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -31,7 +31,7 @@ from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceEx
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
 from conveyor.params import Limits, SamplingParams, StopParams, Structured, given_from_pb, sampling_defaults
-from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore
+from conveyor.state import REDIS_DOWN, AsyncRequestStore, RequestRecord
 from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import conveyor_pb2, conveyor_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
@@ -40,7 +40,7 @@ from tokenizer_svc.access import OWNER, Access, ApiKeys, AuthInterceptor
 from tokenizer_svc.config import FrontendConfig
 from tokenizer_svc.frontend import ClientDelta, Frontend
 from tokenizer_svc.openai_api import OpenAIApi
-from tokenizer_svc.streaming import Blocking, RequestTimer, follow
+from tokenizer_svc.streaming import RequestTimer, follow
 from tokenizer_svc.validation import GenerateInput
 
 log = logging.getLogger("conveyor.frontend")
@@ -94,7 +94,7 @@ def client_delta_to_pb(d: ClientDelta) -> conveyor_pb2.GenerateResponse:
 
 
 class EnginesClient:
-    """The engines as the core sees them: routing, submit and abort as plain calls raising ``ConveyorError``s.
+    """The engines as the core sees them: routing, submit and abort as coroutines raising ``ConveyorError``s.
 
     A request goes to the engine ``Router`` picks (``conveyor.engines``); its record says which. A submit
     that finds its engine gone (not registered any more) moves the request to another live engine, unless
@@ -105,77 +105,80 @@ class EnginesClient:
     def __init__(self, registry: Registry, metrics: Metrics):
         self.registry = registry
         self.router = Router(registry)
-        self.schedulers = Schedulers(registry)
+        self.schedulers = Schedulers(registry, channel=grpc_util.internal_aio_channel)
         self.metrics = metrics
         self.model = ""  # the served model's name: part of the routing keys
 
-    def _call(self, method, request, timeout: float = 10.0):
+    async def _call(self, method, request, timeout: float = 10.0):
         try:
-            return method(request, timeout=timeout)
+            return await method(request, timeout=timeout)
         except grpc.RpcError as exc:
             kind = self.CODES.get(exc.code(), Unavailable)
             raise kind(f"scheduler: {exc.details()}") from exc
 
-    def route(self, prompt_ids: list[int], scope: str = "") -> str:
+    async def route(self, prompt_ids: list[int], scope: str = "") -> str:
         """The engine for a new request. With none serving, a registered one (the submit waits for it)."""
-        route = self.router.choose(prompt_ids, self.model, scope=scope)
+        route = await self.router.choose(prompt_ids, self.model, scope=scope)
         if route is not None:
             self.metrics.engine_routes.labels(route.engine.name, route.reason).inc()
             return route.engine.name
-        names = self.registry.names()
+        names = await self.registry.names()
         if not names:
             raise Unavailable("no engine is registered in Redis (is a scheduler running with the same Redis and prefix?)")
         return names[0]
 
-    def submit(self, record: RequestRecord) -> None:
+    async def submit(self, record: RequestRecord) -> None:
         """Hand a recorded request to its engine; once accepted, its prefixes route there."""
         try:
-            self._call(self.schedulers.stub(record.engine).Submit, scheduler_pb2.SubmitRequest(request_id=record.request_id))
+            stub = await self.schedulers.stub(record.engine)
+            await self._call(stub.Submit, scheduler_pb2.SubmitRequest(request_id=record.request_id))
         except Unavailable:
-            self._follow(record)
+            await self._follow(record)
             raise
-        if len(self.router.engines()) > 1:
-            self.router.remember(record.prompt_ids, record.engine, self.model, record.params.cache_scope)
+        if len(await self.router.engines()) > 1:
+            await self.router.remember(record.prompt_ids, record.engine, self.model, record.params.cache_scope)
 
-    def _follow(self, record: RequestRecord) -> None:
+    async def _follow(self, record: RequestRecord) -> None:
         """After a failed submit: find where the request should go now (for the caller's retry)."""
-        holder = self.registry.engine_of(record.request_id)
+        holder = await self.registry.engine_of(record.request_id)
         if holder is not None and holder != record.engine:  # taken over meanwhile
             record.engine = holder
             return
-        if record.engine in {e.name for e in self.registry.live()}:
+        if record.engine in {e.name for e in await self.registry.live()}:
             return  # registered: it is restarting or busy; try it again
         self.router.forget(record.engine)
-        route = self.router.choose(record.prompt_ids, self.model, exclude=record.engine, scope=record.params.cache_scope)
-        if route is not None and self.registry.reassign(record.request_id, record.engine, route.engine.name):
+        route = await self.router.choose(record.prompt_ids, self.model, exclude=record.engine,
+                                         scope=record.params.cache_scope)
+        if route is not None and await self.registry.reassign(record.request_id, record.engine, route.engine.name):
             self.metrics.engine_routes.labels(route.engine.name, "failover").inc()
             log.warning("engine %s is gone; request %s moves to %s", record.engine, record.client_id, route.engine.name)
             record.engine = route.engine.name
 
-    def abort(self, request_id: str) -> bool:
-        scheduler = self.schedulers.of_request(request_id)
+    async def abort(self, request_id: str) -> bool:
+        scheduler = await self.schedulers.of_request(request_id)
         if scheduler is None:
             return False
-        return self._call(scheduler.Abort, scheduler_pb2.SchedulerAbortRequest(request_id=request_id)).aborted
+        return (await self._call(scheduler.Abort, scheduler_pb2.SchedulerAbortRequest(request_id=request_id))).aborted
 
-    def serving(self) -> bool:
+    async def serving(self) -> bool:
         """Whether some engine serves (its worker and Redis answer); exports each engine's state."""
         try:
-            live = {e.name: e for e in self.registry.live()}
-            names = set(self.registry.names()) | set(live)
+            live = {e.name: e for e in await self.registry.live()}
+            names = set(await self.registry.names()) | set(live)
         except REDIS_DOWN:
             return False
         for name in names:
             self.metrics.engine_up.labels(name).set(1 if name in live and live[name].serving else 0)
         return any(e.serving for e in live.values())
 
-    def info(self) -> scheduler_pb2.SchedulerInfoResponse:
+    async def info(self) -> scheduler_pb2.SchedulerInfoResponse:
         """A scheduler's Info, waiting until an engine registered and answers (it waits for its worker)."""
         waited = 0
         while True:
             try:
-                for engine in self.registry.live():
-                    reply = self.schedulers.stub(engine.name).Info(scheduler_pb2.SchedulerInfoRequest(), timeout=5)
+                for engine in await self.registry.live():
+                    stub = await self.schedulers.stub(engine.name)
+                    reply = await stub.Info(scheduler_pb2.SchedulerInfoRequest(), timeout=5)
                     self.model = reply.model_name
                     return reply
             except (grpc.RpcError, ConveyorError, *REDIS_DOWN):
@@ -183,19 +186,19 @@ class EnginesClient:
             if waited % 20 == 0:
                 log.info("waiting for an engine to register in Redis and answer")
             waited += 1
-            time.sleep(0.5)
+            await asyncio.sleep(0.5)
 
 
 class DetokenizerClient:
-    """Replay as a plain call: the deltas of a request so far, rebuilt from Redis by the detokenizer."""
+    """Replay as a coroutine: the deltas of a request so far, rebuilt from Redis by the detokenizer."""
 
     def __init__(self, address: str):
-        channel = grpc_util.internal_channel(address)
-        self.stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
+        self.stub = detokenizer_pb2_grpc.DetokenizerStub(grpc_util.internal_aio_channel(address))
 
-    def replay(self, request_id: str, frontend: str) -> list[Delta]:
+    async def replay(self, request_id: str, frontend: str) -> list[Delta]:
         try:
-            reply = self.stub.Replay(detokenizer_pb2.ReplayRequest(request_id=request_id, frontend=frontend), timeout=10)
+            reply = await self.stub.Replay(detokenizer_pb2.ReplayRequest(request_id=request_id, frontend=frontend),
+                                           timeout=10)
         except grpc.RpcError as exc:
             kind = NotFound if exc.code() == grpc.StatusCode.NOT_FOUND else Unavailable
             raise kind(f"detokenizer: {exc.details()}") from exc
@@ -210,32 +213,31 @@ class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
     owner) is in ``access.OWNER``, set by the auth interceptor."""
 
     def __init__(self, frontend: Frontend, info: conveyor_pb2.ServerInfoResponse, metrics: Metrics,
-                 request_timeout: float = 0.0, io: Blocking | None = None):
+                 request_timeout: float = 0.0):
         self.frontend = frontend
         self.info = info
         self.metrics = metrics
         self.request_timeout = request_timeout
-        self.io = io or Blocking(frontend)
 
     async def Generate(self, request, context):
         timer = RequestTimer(self.metrics)
         try:
-            stream = await self.io.open(self.frontend.open, input_from_pb(request), OWNER.get())
+            stream = await self.frontend.open(input_from_pb(request), OWNER.get())
         except ConveyorError as exc:
             self.metrics.requests_rejected.labels(reason=exc.code.lower()).inc()
             raise
-        async for delta in follow(stream, self.io, timer, self.metrics, self.request_timeout):
+        async for delta in follow(stream, self.frontend, timer, self.metrics, self.request_timeout):
             yield client_delta_to_pb(delta)
 
     async def Resume(self, request, context):
-        stream = await self.io.open(self.frontend.resume, request.request_id, request.token_index,
-                                    request.text_offset, OWNER.get())
+        stream = await self.frontend.resume(request.request_id, request.token_index, request.text_offset, OWNER.get())
         self.metrics.resumed_streams.inc()
-        async for delta in follow(stream, self.io, RequestTimer(self.metrics), self.metrics, self.request_timeout):
+        async for delta in follow(stream, self.frontend, RequestTimer(self.metrics), self.metrics,
+                                  self.request_timeout):
             yield client_delta_to_pb(delta)
 
     async def Abort(self, request, context):
-        aborted = await self.io.run(self.frontend.abort, request.request_id, OWNER.get())
+        aborted = await self.frontend.abort(request.request_id, OWNER.get())
         return conveyor_pb2.AbortResponse(aborted=aborted)
 
     async def Tokenize(self, request, context):
@@ -245,7 +247,7 @@ class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
         inp = GenerateInput(prompt=request.prompt) if kind == "prompt" else GenerateInput()
         if kind == "chat":
             inp.messages, inp.add_generation_prompt = _chat(request.chat)
-        text, ids = await self.io.run(self.frontend.render, inp)
+        text, ids = await self.frontend.tokenize(inp)
         return conveyor_pb2.TokenizeResponse(token_ids=ids, text=text)
 
     async def ServerInfo(self, request, context):
@@ -268,11 +270,10 @@ async def follow_engines(engines: EnginesClient, health, metrics: Metrics, http:
                          every: float = 0.5) -> None:
     """Keep the public health NOT_SERVING (and the HTTP API's ``/health`` 503) while no engine serves (their
     schedulers, workers or Redis are down)."""
-    loop = asyncio.get_running_loop()
     serving = True
     while True:
         await asyncio.sleep(every)
-        now = await loop.run_in_executor(None, engines.serving)
+        now = await engines.serving()
         if now != serving:
             log.warning("%s", "an engine serves again" if now else "no engine serves; health is NOT_SERVING")
             await grpc_util.set_aio_serving(health, [PUBLIC_SERVICE], now, metrics)
@@ -347,13 +348,17 @@ async def serve_http(api: OpenAIApi, cfg: FrontendConfig) -> HttpServer:
 
 
 def serve(cfg: FrontendConfig) -> None:
+    asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg: FrontendConfig) -> None:
     tokenizer = load_tokenizer(cfg.model)
-    store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
+    store = AsyncRequestStore.from_url(cfg.redis_url, cfg.redis_prefix)
     metrics = Metrics("frontend")
     engines = EnginesClient(Registry(store), metrics)
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
     access = Access(ApiKeys.load(cfg.api_keys_file, cfg.api_keys), cfg.max_streams_per_key, cfg.max_streams)
-    sinfo = engines.info()
+    sinfo = await engines.info()
     limits = Limits(sinfo.max_model_len, sinfo.vocab_size, max_stop_strings=cfg.max_stop_strings,
                     max_prompt_tokens=cfg.max_prompt_tokens, max_stop_token_ids=cfg.max_stop_token_ids,
                     max_logit_bias=cfg.max_logit_bias, max_grammar_bytes=cfg.max_grammar_bytes)
@@ -368,43 +373,38 @@ def serve(cfg: FrontendConfig) -> None:
         max_stop_strings=cfg.max_stop_strings, max_waiting_requests=sinfo.max_waiting,
         has_chat_template=bool(tokenizer.chat_template), worker=f"{sinfo.device}/{sinfo.dtype}",
     )
+    internal = grpc_util.make_aio_server(metrics=metrics)
+    internal_health = await grpc_util.add_aio_health_and_reflection(internal, [INTERNAL_SERVICE])
+    frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
+    internal_port = grpc_util.bind_internal(internal, cfg.internal_host, cfg.internal_port)
+    # beyond max_streams calls at once, gRPC answers RESOURCE_EXHAUSTED instead of queueing them unseen
+    public = grpc_util.make_aio_server(metrics=metrics, interceptors=[AuthInterceptor(access)],
+                                       max_message_bytes=cfg.max_message_bytes, max_concurrent_rpcs=cfg.max_streams + 8,
+                                       options=grpc_util.PUBLIC_KEEPALIVE)
+    public_health = await grpc_util.add_aio_health_and_reflection(public, [PUBLIC_SERVICE])
+    conveyor_pb2_grpc.add_ConveyorServicer_to_server(ConveyorService(frontend, info, metrics, cfg.request_timeout), public)
+    tls = grpc_util.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
+    port = grpc_util.bind(public, cfg.host, cfg.port, tls)
+    http = OpenAIApi(frontend, metrics, sinfo.model_name, access, cfg.request_timeout,
+                     cfg.allowed_origins) if cfg.http_port >= 0 else None
+    await internal.start()
+    await public.start()
+    http_server = await serve_http(http, cfg) if http is not None else None
+    await grpc_util.set_aio_serving(internal_health, [INTERNAL_SERVICE], True)
+    await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], True, metrics)
+    watch = asyncio.create_task(follow_engines(engines, public_health, metrics, http))
+    log.info("frontend serving %s on %s:%d%s%s%s (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name,
+             cfg.host, port, " with TLS" if tls else "", f", {len(access.keys.digests)} API keys" if access.keys else "",
+             f", OpenAI HTTP API on port {cfg.http_port}" if http else "", cfg.internal_host, internal_port,
+             cfg.metrics_host, metrics_port)
 
-    async def run() -> None:
-        internal = grpc_util.make_aio_server(metrics=metrics)
-        internal_health = await grpc_util.add_aio_health_and_reflection(internal, [INTERNAL_SERVICE])
-        frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
-        internal_port = grpc_util.bind_internal(internal, cfg.internal_host, cfg.internal_port)
-        # beyond max_streams calls at once, gRPC answers RESOURCE_EXHAUSTED instead of queueing them unseen
-        public = grpc_util.make_aio_server(metrics=metrics, interceptors=[AuthInterceptor(access)], max_message_bytes=cfg.max_message_bytes,
-                                           max_concurrent_rpcs=cfg.max_streams + 8, options=grpc_util.PUBLIC_KEEPALIVE)
-        public_health = await grpc_util.add_aio_health_and_reflection(public, [PUBLIC_SERVICE])
-        io = Blocking(frontend)
-        conveyor_pb2_grpc.add_ConveyorServicer_to_server(
-            ConveyorService(frontend, info, metrics, cfg.request_timeout, io), public)
-        tls = grpc_util.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
-        port = grpc_util.bind(public, cfg.host, cfg.port, tls)
-        http = OpenAIApi(frontend, io, metrics, sinfo.model_name, access, cfg.request_timeout,
-                         cfg.allowed_origins) if cfg.http_port >= 0 else None
-        await internal.start()
-        await public.start()
-        http_server = await serve_http(http, cfg) if http is not None else None
-        await grpc_util.set_aio_serving(internal_health, [INTERNAL_SERVICE], True)
-        await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], True, metrics)
-        watch = asyncio.create_task(follow_engines(engines, public_health, metrics, http))
-        log.info("frontend serving %s on %s:%d%s%s%s (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name,
-                 cfg.host, port, " with TLS" if tls else "", f", {len(access.keys.digests)} API keys" if access.keys else "",
-                 f", OpenAI HTTP API on port {cfg.http_port}" if http else "", cfg.internal_host, internal_port,
-                 cfg.metrics_host, metrics_port)
+    async def stop() -> None:
+        watch.cancel()
+        if http is not None:
+            http.serving = False
+        await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], False, metrics)
+        if http_server is not None:
+            await http_server.stop()
+        await internal.stop(5)
 
-        async def stop() -> None:
-            watch.cancel()
-            if http is not None:
-                http.serving = False
-            await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], False, metrics)
-            if http_server is not None:
-                await http_server.stop()
-            await internal.stop(5)
-
-        await grpc_util.aio_wait_for_termination(public, on_stop=stop)
-
-    asyncio.run(run())
+    await grpc_util.aio_wait_for_termination(public, on_stop=stop)

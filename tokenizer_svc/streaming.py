@@ -1,52 +1,21 @@
 """Following a client stream on the event loop, for every public API of the frontend (gRPC and HTTP).
 
 ``follow`` yields a request's deltas as the detokenizer delivers them, without a thread per stream:
-Deliver (on the same loop) wakes the stream's coroutine, and a replay fetched on the pool is offered by
-the coroutine itself, so a stream is only ever changed on the loop. What blocks (Redis, the scheduler's
-Submit and Abort) runs on ``Blocking``'s small thread pool, off the loop.
+Deliver (on the same loop) wakes the stream's coroutine, and a replay is offered by the coroutine itself
+once it is back, so a stream is only ever changed on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from conveyor.errors import ConveyorError, DeadlineExceeded
 from conveyor.metrics import Metrics
 from tokenizer_svc.frontend import ClientDelta, ClientStream, Frontend
 
 POLL_SECONDS = 0.25  # how often a waiting stream checks that it is not behind Redis
-
-
-class Blocking:
-    """The frontend's blocking calls, run on a thread pool so the event loop never waits for them."""
-
-    def __init__(self, frontend: Frontend, threads: int = 16):
-        self.frontend = frontend
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="frontend-io")
-
-    async def run(self, call, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(call, *args))
-
-    async def open(self, call, *args) -> ClientStream:
-        """A stream opened by ``call`` on the pool. If the caller goes away meanwhile, the stream is closed
-        (its request aborted) once it is open: the pool's work cannot be cancelled midway."""
-        opening = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(call, *args))
-        try:
-            return await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            def close(done: asyncio.Future) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.close(done.result())
-            opening.add_done_callback(close)
-            raise
-
-    def close(self, stream: ClientStream) -> None:
-        """The client's call ended: unregister its stream (aborting the request if it did not finish)."""
-        self.pool.submit(self.frontend.close, stream.request_id, stream)
 
 
 class RequestTimer:
@@ -87,13 +56,13 @@ class RequestTimer:
             self.m.time_per_output_token_seconds.observe((e2e - (self.first - self.arrival)) / (self.tokens - 1))
 
 
-async def follow(stream: ClientStream, io: Blocking, timer: RequestTimer, metrics: Metrics,
+async def follow(stream: ClientStream, frontend: Frontend, timer: RequestTimer, metrics: Metrics,
                  timeout: float = 0.0) -> AsyncIterator[ClientDelta]:
     """A stream's deltas until it finishes. The caller stops iterating (or is cancelled) when its client
     goes away: ``finally`` then closes the stream, which aborts the request. Raises ``DeadlineExceeded``
     after ``timeout`` seconds (0: none), and ``ConveyorError`` with the reason when the request failed."""
     ready = asyncio.Event()
-    stream.wake = ready.set  # every delta is offered on this loop (Deliver, or the replays offered here)
+    stream.wake = ready.set  # every delta is offered on this loop (Deliver, or the replays keep_up offers)
     metrics.client_streams.inc()
     deadline = time.monotonic() + timeout if timeout else None
     ended = False
@@ -104,23 +73,21 @@ async def follow(stream: ClientStream, io: Blocking, timer: RequestTimer, metric
                 timer.finished("abort", stream.prompt_tokens)
                 raise DeadlineExceeded(f"the request ran longer than {timeout:g} s (--request-timeout)")
             ready.clear()
-            stream.offer_replayed()  # a resume's replay, or the last keep_up's
             delta = stream.take()
             if delta is None:
                 try:
                     async with asyncio.timeout(POLL_SECONDS):
                         await ready.wait()
                 except TimeoutError:
-                    if stream.due(time.monotonic()):  # the pool only for a stream with I/O to do
-                        await io.run(io.frontend.keep_up, stream)
+                    await frontend.keep_up(stream)
                 continue
             if delta.finish_reason == "error":  # the request could not be computed: say why
                 ended = True
                 timer.finished("error", stream.prompt_tokens)
-                why = await io.run(io.frontend.failure, stream)
+                why = await frontend.failure(stream)
                 raise ConveyorError(f"request_id {stream.client_id!r} failed: {why}")
             if stream.scores_prompt and delta.first_token_index == 0 and delta.token_ids:
-                delta.prompt_logprobs = await io.run(io.frontend.prompt_logprobs, stream)
+                delta.prompt_logprobs = await frontend.prompt_logprobs(stream)
             yield delta
             timer.sent(delta)
             if delta.finish_reason is not None:
@@ -131,4 +98,4 @@ async def follow(stream: ClientStream, io: Blocking, timer: RequestTimer, metric
             timer.finished("abort", stream.prompt_tokens)
         stream.wake = lambda: None
         metrics.client_streams.dec()
-        io.close(stream)
+        frontend.close(stream.request_id, stream)
