@@ -408,3 +408,4 @@ async def _serve(cfg: FrontendConfig) -> None:
         await internal.stop(5)
 
     await grpc_util.aio_wait_for_termination(public, on_stop=stop)
+    await store.redis.aclose()
