@@ -172,15 +172,17 @@ class TinyScheduler:
         self.runner = runner
         self.free_blocks = list(range(runner.cache.num_blocks))
         self.chunk_sizes = chunk_sizes
+        self.accepted = 0  # drafted tokens the runner confirmed, over every run
 
-    def run(self, prompts: list[list[int]], max_tokens: int, params=None, together: bool = True):
-        """Returns (tokens, logprobs) per prompt. ``together``: all sequences share every step."""
+    def run(self, prompts: list[list[int]], max_tokens: int, params=None, together: bool = True, max_drafts: int = 0):
+        """Returns (tokens, logprobs) per prompt (``max_tokens`` each). ``together``: all sequences share every
+        step. ``max_drafts``: each decode may draft that many tokens (its blocks reach that far)."""
         from worker_svc.runner import SeqChunk, StepInput
         from conveyor.params import SamplingParams
 
         params = params or [SamplingParams(temperature=0.0, logprobs=0)] * len(prompts)
         if not together:
-            outs = [self.run([p], max_tokens, [q]) for p, q in zip(prompts, params)]
+            outs = [self.run([p], max_tokens, [q], max_drafts=max_drafts) for p, q in zip(prompts, params)]
             return [o[0][0] for o in outs], [o[1][0] for o in outs]
         seqs = [
             {"id": f"seq{i}", "prompt": p, "done": 0, "out": [], "lp": [], "blocks": [], "params": q, "turn": i}
@@ -203,12 +205,14 @@ class TinyScheduler:
                 else:
                     tokens = [s["out"][-1]]
                 start = s["done"]
-                need = -(-(start + len(tokens)) // bs) - len(s["blocks"])
+                drafts = max_drafts if start >= len(s["prompt"]) else 0
+                need = -(-(start + len(tokens) + drafts) // bs) - len(s["blocks"])
                 new = [self.free_blocks.pop() for _ in range(max(need, 0))]
                 s["blocks"] += new
                 sample = start + len(tokens) >= len(s["prompt"])
                 chunks.append(SeqChunk(s["id"], tokens, start, new_block_ids=new, sample=sample,
-                                       sampling=s["params"] if start == 0 else None, num_prompt_tokens=len(s["prompt"])))
+                                       sampling=s["params"] if start == 0 else None, num_prompt_tokens=len(s["prompt"]),
+                                       max_drafts=drafts))
                 s["done"] = start + len(tokens)
             free_ids = [s["id"] for s in finished]
             for s in finished:
@@ -216,15 +220,18 @@ class TinyScheduler:
                 s["blocks"] = []
             by_id = {s["id"]: s for s in seqs}
             for r in self.runner.step(StepInput(chunks, free_ids)):
-                by_id[r.seq_id]["out"].append(r.sampled.token_id)
-                by_id[r.seq_id]["lp"].append(r.sampled.logprob)
+                s = by_id[r.seq_id]
+                s["out"] += [t.token_id for t in r.tokens]
+                s["lp"] += [t.logprob for t in r.tokens]
+                s["done"] += len(r.accepted)  # the confirmed drafts' KV is computed
+                self.accepted += len(r.accepted)
         leftover = [s for s in seqs if s["blocks"]]
         if leftover:
             self.runner.step(StepInput([], [s["id"] for s in leftover]))
             for s in leftover:
                 self.free_blocks += s["blocks"]
                 s["blocks"] = []
-        return [s["out"] for s in seqs], [s["lp"] for s in seqs]
+        return [s["out"][:max_tokens] for s in seqs], [s["lp"][:max_tokens] for s in seqs]
 
 
 def scheduler_stats(stack, name: str = "scheduler"):

@@ -29,6 +29,7 @@ from worker_svc.graphs import Graph
 from worker_svc.kv_cache import KVCache
 from worker_svc.model import LlamaModel
 from worker_svc.sampling import Sampled, SampleRow, Scored, sample, score
+from worker_svc.speculative import NgramIndex
 
 
 class InvalidStep(InvalidArgument):
@@ -56,6 +57,9 @@ class SeqChunk:
     cached_token_ids: list[int] = field(default_factory=list)  # registers: positions [0, start_pos) hold KV
     stop: StopParams = field(default_factory=StopParams)  # with sampling: every stop id, masked before min_tokens
     structured: Structured | None = None  # with sampling: the output's constraint
+    # a decode that samples: the worker may append up to this many drafted tokens (prompt lookup) to verify
+    # in this step, as far as the sequence's blocks reach; it answers every one the model confirms
+    max_drafts: int = 0
 
     @property
     def registers(self) -> bool:
@@ -77,6 +81,13 @@ class StepResult:
     seq_id: str
     sampled: Sampled | None
     prompt: tuple[int, list[Scored]] | None = None
+    accepted: list[Sampled] = field(default_factory=list)  # tokens after ``sampled`` the drafts confirmed, in order
+    drafted: int = 0  # tokens drafted for this sequence this step
+
+    @property
+    def tokens(self) -> list[Sampled]:
+        """Every token this step emitted for the sequence, in order (``sampled``, then the ``accepted``)."""
+        return ([self.sampled] if self.sampled is not None else []) + self.accepted
 
 
 @dataclass
@@ -91,6 +102,7 @@ class SeqState:
     pending_hidden: torch.Tensor | None = None
     stop: StopParams = field(default_factory=StopParams)
     constraint: Constraint | None = None  # structured output: its matcher, fed the output tokens
+    drafts: NgramIndex | None = None  # its history's n-grams, made when it first drafts
 
 
 class ModelRunner:
@@ -99,13 +111,14 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int, seed: int | None = None,
                  fail_on_token: int = -1, threads: tuple[int, int] | None = None, attention: str = "auto",
                  compile_attention: bool | None = None, graphs: Callable[[], Graph] | None = None,
-                 max_graph_batch: int = 256, constraints: Constraints | None = None):
+                 max_graph_batch: int = 256, constraints: Constraints | None = None, ngram: tuple[int, int] = (3, 5)):
         """``threads``: (CPU threads for a step, for a step of one token); None leaves PyTorch's setting.
         ``attention``: the backend (``worker_svc.backends.choose``: auto is native when the CPU kernels can run
         the model, else flex on a GPU and sdpa on a CPU); ``compile_attention``, ``graphs``, ``max_graph_batch``:
         flex's (``backends.make``). ``constraints``: the matchers of structured output (None: a constrained
-        sequence is refused)."""
+        sequence is refused). ``ngram``: the n-gram lengths drafts are looked up by (``max_drafts``)."""
         self.constraints = constraints
+        self.ngram = ngram
         self.mask_seconds: float | None = None  # the last step's grammar work (None: no constrained sequence)
         self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar") if constraints else None
         self.fail_on_token = fail_on_token  # fault injection (--fail-on-token): -1 off
@@ -196,16 +209,40 @@ class ModelRunner:
         for seq_id in step.free_seq_ids:
             self.seqs.pop(seq_id, None)
         staged = {c.seq_id: self._staged_state(c) for c in step.chunks}
+        drafts = self._draft(step.chunks, staged)
         self._set_threads(sum(len(c.token_ids) for c in step.chunks))
         # decode tokens first (one query each), then prefill chunks
         order = sorted(step.chunks, key=lambda c: len(c.token_ids) > 1)
-        results = self._forward_and_sample(order, staged) if order else []
+        results = self._forward_and_sample(order, staged, drafts) if order else []
         for r in results:
             if r.sampled is not None:
-                staged[r.seq_id].last_sampled = r.sampled.token_id
+                s = staged[r.seq_id]
+                s.last_sampled = r.tokens[-1].token_id
+                if r.drafted > len(r.accepted):  # the rejected drafts' KV is junk, overwritten later
+                    del s.tokens[len(s.tokens) - (r.drafted - len(r.accepted)) :]
         self.seqs.update(staged)  # commit only after the forward succeeded
         position = {c.seq_id: i for i, c in enumerate(step.chunks)}
         return sorted(results, key=lambda r: position[r.seq_id])  # request order
+
+    def _draft(self, chunks: list[SeqChunk], staged: dict[str, SeqState]) -> dict[str, list[int]]:
+        """Append drafted tokens to the decodes that may draft (``max_drafts``), in place: as many as their blocks
+        and the max model length leave room for. Returns each drafting sequence's drafts. A constrained sequence
+        does not draft (its grammar would have to judge each draft first)."""
+        drafts = {}
+        for i, c in enumerate(chunks):
+            s = staged[c.seq_id]
+            if c.max_drafts <= 0 or not c.sample or len(c.token_ids) != 1 or c.registers or s.constraint is not None:
+                continue
+            end = c.start_pos + 1
+            room = min(c.max_drafts, len(s.block_table) * self.cache.block_size - end, self.max_model_len - end)
+            if s.drafts is None:
+                s.drafts = NgramIndex(*self.ngram)
+            guess = s.drafts.propose(s.tokens, room)
+            if guess:
+                chunks[i] = replace(c, token_ids=c.token_ids + guess)
+                s.tokens += guess  # computed this step; the rejected ones are cut off after it
+                drafts[c.seq_id] = guess
+        return drafts
 
     def _set_threads(self, num_tokens: int) -> None:
         """A step of one token runs on fewer CPU threads (``--small-step-threads``). On a machine with
@@ -241,7 +278,8 @@ class ModelRunner:
         return replace(old, tokens=old.tokens + c.token_ids, block_table=old.block_table + c.new_block_ids,
                        last_sampled=None)
 
-    def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> list[StepResult]:
+    def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState],
+                            drafts: dict[str, list[int]]) -> list[StepResult]:
         sampled = [c for c in order if c.sample]
         masks = self._start_masks([staged[c.seq_id] for c in sampled])  # the grammar work overlaps the forward
         batch = self._batch(order, staged)
@@ -251,18 +289,25 @@ class ModelRunner:
                   if staged[c.seq_id].params.prompt_logprobs is not None}
         results = []
         if sampled:
-            rows = torch.tensor([last_rows[c.seq_id] for c in sampled], device=self.device)
-            logits = self.model.logits(hidden[rows])
-            sample_rows = []
+            rows, sample_rows, spans = [], [], []
             errors, bitmasks = masks.result() if masks is not None else ({}, {})
             for i, c in enumerate(sampled):
-                s = staged[c.seq_id]
-                sample_rows.append(SampleRow(s.params, s.tokens[: s.num_prompt_tokens], s.tokens[s.num_prompt_tokens :],
-                                             s.stop, bitmasks.get(i)))
+                s, guess = staged[c.seq_id], drafts.get(c.seq_id, [])
+                last, prompt = last_rows[c.seq_id], s.tokens[: s.num_prompt_tokens]
+                computed = len(s.tokens) - len(guess)  # the history each row is sampled after: row r's, plus r drafts
+                spans.append((len(sample_rows), len(guess)))
+                for r in range(len(guess) + 1):
+                    rows.append(last - len(guess) + r)
+                    sample_rows.append(SampleRow(s.params, prompt, s.tokens[s.num_prompt_tokens : computed + r], s.stop,
+                                                 bitmasks.get(i)))
+            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
             drawn = sample(logits, sample_rows, self.generator)
             for i, error in errors.items():
-                drawn[i].error = error
-            results = [StepResult(c.seq_id, r, scored.pop(c.seq_id, None)) for c, r in zip(sampled, drawn)]
+                drawn[spans[i][0]].error = error
+            for c, (at, n) in zip(sampled, spans):
+                guess, picks = drafts.get(c.seq_id, []), drawn[at : at + n + 1]
+                kept = next((j for j in range(n) if picks[j].token_id != guess[j]), n)  # drafts confirmed
+                results.append(StepResult(c.seq_id, picks[0], scored.pop(c.seq_id, None), picks[1 : kept + 1], n))
         return results + [StepResult(seq_id, None, prompt) for seq_id, prompt in scored.items() if prompt is not None]
 
     def _start_masks(self, states: list[SeqState]):
