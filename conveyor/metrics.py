@@ -97,6 +97,10 @@ SPECS = [
     Spec("conveyor_aborts_total", Counter, "Requests aborted (client cancel, disconnect, deadline, Abort).",
          "scheduler"),
     Spec("conveyor_steps_total", Counter, "Engine steps run.", "scheduler"),
+    Spec("conveyor_spec_draft_tokens_total", Counter, "Speculation: tokens drafted for the worker to verify.",
+         "scheduler"),
+    Spec("conveyor_spec_accepted_tokens_total", Counter, "Speculation: drafted tokens the model confirmed (each "
+         "emitted without a step of its own).", "scheduler"),
     Spec("conveyor_worker_up", Gauge, "1 while the worker answers steps, 0 while it is unreachable.", "scheduler"),
     Spec("conveyor_redis_rtt_seconds", Gauge, "Round-trip time of the last Redis ping.", "scheduler"),
     Spec("conveyor_redis_repairs_total", Counter, "Request records rewritten whole because Redis had lost them "

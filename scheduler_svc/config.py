@@ -31,6 +31,12 @@ class SchedulerConfig:
                                          "and its requests are requeued (0: wait forever)")
     prefix_cache: bool = setting(True, "reuse the KV of full blocks a request shares with earlier ones (same "
                                        "tokens from the start); --no-prefix-cache computes every prompt whole")
+    speculative: str = setting("off", "speculative decoding: 'ngram' lets each decode draft tokens from what followed "
+                                      "its last tokens earlier in the sequence (prompt lookup), verified in the same "
+                                      "step (the output is the same as without); 'off'", choices=("ngram", "off"))
+    spec_tokens: int = setting(4, "speculation: the most tokens a decode drafts")
+    spec_max_batch: int = setting(8, "speculation: no drafting in a step with more running requests (a verify row "
+                                     "then costs more than it saves)")
     max_step_failures: int = setting(3, "failed worker steps a request may cause (found by running it alone) "
                                         "before it ends with an error, so that the others go on")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint (0.0.0.0 for a scraper elsewhere)")
@@ -46,6 +52,9 @@ class SchedulerConfig:
         require(self.finished_ttl > 0, "finished_ttl", "must be > 0")
         require(self.step_timeout >= 0, "step_timeout", "must be >= 0")
         require(self.max_step_failures >= 1, "max_step_failures", "must be >= 1")
+        require(self.speculative in ("ngram", "off"), "speculative", f"must be ngram or off, got {self.speculative!r}")
+        require(1 <= self.spec_tokens <= 16, "spec_tokens", f"must be in [1, 16], got {self.spec_tokens}")
+        require(self.spec_max_batch >= 1, "spec_max_batch", f"must be >= 1, got {self.spec_max_batch}")
         require(self.engine_ttl >= 0.5, "engine_ttl", "must be >= 0.5")
         require(bool(self.engine) and ":" not in self.engine, "engine", "must be a non-empty name without ':'")
 

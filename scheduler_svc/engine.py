@@ -258,7 +258,8 @@ class Engine:
                 log.info("the worker answers again; continuing")
                 self.health.set(worker_up=True)
             with self.cond:
-                outputs = self.scheduler.update(sent, answer.sampled, scored=answer.scored, failed=answer.failed)
+                outputs = self.scheduler.update(sent, answer.sampled, scored=answer.scored, failed=answer.failed,
+                                                accepted=answer.accepted, drafted=answer.drafted)
                 snapshot = self.snapshot()  # the same hold of the lock (a Condition's lock is re-entrant)
             self.observed.answered(sent, outputs, snapshot)
             self._write_and_publish(sent, outputs, sent_decided)

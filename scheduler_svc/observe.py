@@ -134,6 +134,8 @@ class StepMetrics:
         m.steps.inc(c.steps - done.steps)
         m.preemptions.inc(c.preemptions - done.preemptions)
         m.aborts.inc(c.aborts - done.aborts)
+        m.spec_draft_tokens.inc(c.drafted - done.drafted)
+        m.spec_accepted_tokens.inc(c.accepted - done.accepted)
         self._counted = c
         m.prefix_cache_queries.inc(s.prefix_queries - self._prefix_counted[0])
         m.prefix_cache_hits.inc(s.prefix_hits - self._prefix_counted[1])

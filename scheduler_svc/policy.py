@@ -26,6 +26,14 @@ worker's queue one step ahead): tokens count as computed when scheduled, and a r
 sample is still in flight decodes "the token the worker sampled last" (``decode_last``). When the
 results come back, a request that has meanwhile finished, been aborted or preempted (its
 ``epoch`` moved on) has them dropped.
+
+Speculation (``spec_tokens``): a decode may let the worker draft up to that many tokens and verify them
+(``Chunk.max_drafts``); the answer brings the sampled token and the drafts the model confirmed, each the
+token plain decoding would have produced. They go through the stop checks one by one (what follows a stop
+is dropped), and the confirmed drafts' KV counts as computed once the answer is back. Until then a
+request's blocks must reach as far as its drafts in flight could take it (``drafts_in_flight``); the room
+for new drafts is only taken when free blocks allow it without preempting anyone. A step with more
+running requests than ``spec_max_batch`` does not draft (a verify row then costs more than it saves).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ class Chunk:
     epoch: int = 0  # the request's epoch when scheduled
     registers: bool = False  # the request's first chunk since admission (always at position 0): the worker learns of it
     cached_ids: list[int] = field(default_factory=list)  # registers after a prefix cache hit: its tokens
+    max_drafts: int = 0  # speculation: tokens the worker may draft after this decode's token
 
     def __post_init__(self):
         self.registers = self.registers or self.start_pos == 0
@@ -94,11 +103,15 @@ class Answer:
     """The worker's answer to a step. ``sampled``: request id -> (token id, (logprob, alternatives) or None);
     ``scored``: request id -> (position of the first, [(token id, logprob, rank, alternatives)]), the prompt
     tokens scored for requests that asked for prompt_logprobs; ``failed``: request id -> why the worker could
-    not sample it (its constraint allows no token): that request ends with the error, alone."""
+    not sample it (its constraint allows no token): that request ends with the error, alone; ``accepted``:
+    request id -> the drafts confirmed after its sampled token, as ``sampled``'s values; ``drafted``: request
+    id -> tokens drafted for it."""
 
     sampled: dict[str, tuple[int, object]]
     scored: dict[str, tuple[int, list]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    accepted: dict[str, list[tuple[int, object]]] = field(default_factory=dict)
+    drafted: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,12 +120,16 @@ class Counters:
     preemptions: int = 0
     aborts: int = 0
     finished: int = 0
+    drafted: int = 0  # tokens drafted for verification (speculation)
+    accepted: int = 0  # of them, confirmed by the model and emitted
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_waiting: int, max_step_failures: int = 3):
+                 max_waiting: int, max_step_failures: int = 3, spec_tokens: int = 0, spec_max_batch: int = 8):
         self.max_step_failures = max_step_failures
+        self.spec_tokens = spec_tokens  # drafts a decode may verify (0: no speculation)
+        self.spec_max_batch = spec_max_batch  # no drafting in a step with more running requests
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -201,7 +218,7 @@ class Scheduler:
         self.to_free.append(request.request_id)
         request.status = Status.WAITING
         request.num_computed = 0
-        request.samples_in_flight = 0
+        request.samples_in_flight = request.drafts_in_flight = 0
         request.epoch += 1
         request.queued_at = time.monotonic()
         insort(self.waiting, request, key=_rank)
@@ -292,7 +309,7 @@ class Scheduler:
                 n = self._wants(request, budget)
                 if not n:
                     continue
-                while not self.blocks.can_grow(request.request_id, request.num_computed + n):
+                while not self.blocks.can_grow(request.request_id, request.reach(n)):
                     victim = self.running[-1]
                     self._preempt(victim)
                     admitting = False
@@ -319,7 +336,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         if request.status is Status.RUNNING:
             n = self._wants(request, budget)
-            if not n or not self.blocks.can_grow(request.request_id, request.num_computed + n):
+            if not n or not self.blocks.can_grow(request.request_id, request.reach(n)):
                 return []
             return [self._chunk(request, n)]
         chunk = self._admit(request, budget)
@@ -359,9 +376,24 @@ class Scheduler:
         insort(self.running, request, key=_rank)
         return self._chunk(request, n, registers=True)
 
+    def _drafts(self, request: Request, n: int, registers: bool) -> int:
+        """Tokens a decode of ``request`` may draft this step: none for a prompt chunk, a constrained request, a
+        step with more than ``spec_max_batch`` running, or past its max_tokens and the max model length."""
+        decode = n == 1 and request.num_pending <= 1 and not registers
+        if not (self.spec_tokens and decode and len(self.running) <= self.spec_max_batch
+                and request.params.structured is None):
+            return 0
+        ahead = request.samples_in_flight + request.drafts_in_flight + 1  # the most tokens in flight, and this one
+        left = min(request.params.stop.max_tokens - len(request.output_ids),
+                   self.max_model_len - request.num_tokens) - ahead
+        return max(0, min(self.spec_tokens, left))
+
     def _chunk(self, request: Request, n: int, registers: bool = False) -> Chunk:
         start = request.num_computed
-        new_blocks = self.blocks.grow(request.request_id, start + n)
+        drafts = self._drafts(request, n, registers)
+        if drafts and not self.blocks.can_grow(request.request_id, request.reach(n) + drafts):
+            drafts = 0  # room for drafts only from free blocks: speculation never preempts
+        new_blocks = self.blocks.grow(request.request_id, request.reach(n) + drafts)
         if registers:
             new_blocks = list(self.blocks.table(request.request_id))
         if request.num_pending == 0:  # everything known is computed: the next token is in flight
@@ -370,18 +402,23 @@ class Scheduler:
             chunk = Chunk(request, request.tokens(start, start + n), start, new_blocks,
                           sample=start + n == request.num_tokens, epoch=request.epoch, registers=registers,
                           cached_ids=request.tokens(0, start) if registers and start else [])
+        chunk.max_drafts = drafts
         request.num_computed = start + n
         request.samples_in_flight += chunk.sample
+        request.drafts_in_flight += drafts
         # key the blocks that filled up for the prefix cache (a token still in flight has no key yet)
         self.blocks.fill(request.request_id, request.tokens, min(request.num_computed, request.num_tokens),
                          scope=request.params.cache_scope)
         return chunk
 
     def update(self, plan: StepPlan, sampled: dict[str, tuple[int, object]], now: float | None = None,
-               scored: dict[str, tuple[int, list]] | None = None, failed: dict[str, str] | None = None) -> list[Output]:
+               scored: dict[str, tuple[int, list]] | None = None, failed: dict[str, str] | None = None,
+               accepted: dict[str, list[tuple[int, object]]] | None = None,
+               drafted: dict[str, int] | None = None) -> list[Output]:
         """Apply a step's results: ``sampled`` maps request id -> (token id, logprobs or None); ``scored``: the
         prompt tokens scored (``Answer.scored``), kept until they are written with the first token; ``failed``:
-        the requests the worker could not sample (``Answer.failed``), ended with their error.
+        the requests the worker could not sample (``Answer.failed``), ended with their error; ``accepted`` and
+        ``drafted``: speculation's confirmed drafts and drafted counts (``Answer``).
 
         Requests aborted or finished while the step ran are skipped (their results are dropped)."""
         now = time.time() if now is None else now
@@ -396,27 +433,34 @@ class Scheduler:
             if not chunk.sample:
                 continue
             request.samples_in_flight -= 1
+            request.drafts_in_flight -= chunk.max_drafts
             request.suspect = False  # a step that held it succeeded
             if failed and request.request_id in failed:
                 request.error = failed[request.request_id]
                 outputs.append(self._finish(request, "error"))
                 continue
-            token, logprobs = sampled[request.request_id]
-            index = len(request.output_ids)
-            request.output_ids.append(token)
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
+            confirmed = (accepted or {}).get(request.request_id, [])
+            self.counters.drafted += (drafted or {}).get(request.request_id, 0)
+            self.counters.accepted += len(confirmed)
+            request.num_computed += len(confirmed)  # the worker computed their KV, verifying them
             if request.first_token_time is None:
                 request.first_token_time = now
                 request.first_token_at = time.monotonic()
-            output = Output(request, index, [token], [logprobs] if logprobs is not None else [])
-            reason = request.finish_check(self.max_model_len)
-            if reason is not None:
-                request.status = Status.FINISHED
-                request.finish_reason = reason
-                self._drop(request)
-                self.counters.finished += 1
-                output.finish_reason = reason
+            output = Output(request, len(request.output_ids), [])
+            for token, logprobs in [sampled[request.request_id], *confirmed]:
+                request.output_ids.append(token)
+                output.token_ids.append(token)
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+                    output.logprobs.append(logprobs)
+                reason = request.finish_check(self.max_model_len)
+                if reason is not None:  # what followed the stop is dropped
+                    request.status = Status.FINISHED
+                    request.finish_reason = reason
+                    self._drop(request)
+                    self.counters.finished += 1
+                    output.finish_reason = reason
+                    break
             outputs.append(output)
         return outputs
 

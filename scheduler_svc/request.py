@@ -27,6 +27,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens of prompt + output scheduled (sent to the worker to compute)
     samples_in_flight: int = 0  # sampling chunks sent whose token has not come back yet
+    drafts_in_flight: int = 0  # speculation: tokens those chunks may draft (their confirmed ones extend the KV)
     epoch: int = 0  # +1 at each preemption: results of chunks sent before it are stale
     first_token_time: float | None = None  # Unix time (recorded in Redis)
     finish_reason: str | None = None
@@ -95,9 +96,15 @@ class Request:
         """Known tokens not yet scheduled (the prompt's rest, a recompute, or the last sampled token)."""
         return self.num_tokens - self.num_computed
 
+    def reach(self, n: int) -> int:
+        """Positions this request's blocks must cover to compute ``n`` more tokens: after the ones scheduled,
+        and after every draft in flight (the worker places a decode_last after the confirmed ones)."""
+        return self.num_computed + n + self.drafts_in_flight
+
     def may_extend(self, max_model_len: int) -> bool:
-        """Whether one more token can follow the ones in flight (else a decode_last would be wasted)."""
-        ahead = self.num_tokens + self.samples_in_flight
+        """Whether one more token can follow the ones in flight (else a decode_last would be wasted, or, after
+        confirmed drafts, past the max model length)."""
+        ahead = self.num_tokens + self.samples_in_flight + self.drafts_in_flight
         return len(self.output_ids) + self.samples_in_flight < self.params.stop.max_tokens and ahead < max_model_len
 
     def tokens(self, start: int, end: int) -> list[int]:

@@ -55,7 +55,8 @@ def registration_pb(request: Request, chunk: worker_pb2.SequenceChunk | None = N
 
 def chunk_pb(c) -> worker_pb2.SequenceChunk:
     chunk = worker_pb2.SequenceChunk(seq_id=c.request.request_id, token_ids=c.token_ids, start_pos=c.start_pos,
-                                     new_block_ids=c.new_blocks, sample=c.sample, decode_last=c.decode_last)
+                                     new_block_ids=c.new_blocks, sample=c.sample, decode_last=c.decode_last,
+                                     max_drafts=c.max_drafts)
     if c.registers:
         registration_pb(c.request, chunk)
         chunk.cached_token_ids.extend(c.cached_ids)
@@ -81,12 +82,17 @@ def _alternatives(t: worker_pb2.SampledToken) -> list[tuple[int, float]]:
 
 def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
     wants = {c.request.request_id: c.request.params.sampling.logprobs is not None for c in plan.chunks}
-    sampled = {t.seq_id: (t.token_id, (t.logprob, _alternatives(t)) if wants.get(t.seq_id) else None)
-               for t in reply.tokens if not t.error}
+
+    def token(t: worker_pb2.SampledToken, seq_id: str) -> tuple[int, object]:
+        return t.token_id, (t.logprob, _alternatives(t)) if wants.get(seq_id) else None
+
+    sampled = {t.seq_id: token(t, t.seq_id) for t in reply.tokens if not t.error}
     scored = {p.seq_id: (p.first_position, [(t.token_id, t.logprob, rank, _alternatives(t))
                                             for t, rank in zip(p.tokens, p.ranks)])
               for p in reply.prompt_logprobs}
-    return Answer(sampled, scored, {t.seq_id: t.error for t in reply.tokens if t.error})
+    accepted = {t.seq_id: [token(a, t.seq_id) for a in t.accepted] for t in reply.tokens if t.accepted and not t.error}
+    return Answer(sampled, scored, {t.seq_id: t.error for t in reply.tokens if t.error}, accepted,
+                  {t.seq_id: t.drafted for t in reply.tokens if t.drafted})
 
 
 def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatch:
@@ -268,7 +274,9 @@ def build_engine(cfg: SchedulerConfig, metrics: Metrics, lease: Lease | None = N
     max_len = min(info.max_model_len, info.num_blocks * info.block_size)
     batched, seqs = cfg.limits(info.device)
     blocks = BlockManager(info.num_blocks, info.block_size, cfg.prefix_cache, root_key(info.model_name))
-    scheduler = Scheduler(blocks, max_len, batched, seqs, cfg.max_waiting, cfg.max_step_failures)
+    scheduler = Scheduler(blocks, max_len, batched, seqs, cfg.max_waiting, cfg.max_step_failures,
+                          spec_tokens=cfg.spec_tokens if cfg.speculative == "ngram" else 0,
+                          spec_max_batch=cfg.spec_max_batch)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix, cfg.finished_ttl)
     detokenizer = detokenizer_pb2_grpc.DetokenizerStub(
         grpc_util.internal_channel(cfg.detokenizer)

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, free_port, start_stack
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import ROOT, free_port, scrape, start_stack, value
 
 from conveyor import metrics as metric_specs
 from conveyor.client import Client
@@ -23,21 +22,6 @@ from conveyor.errors import InvalidArgument
 
 SERVICES = ("frontend", "scheduler", "worker", "detokenizer")
 PROMPTS = ["Name a color.", "What is 3 + 4?", "Say hi in French.", "Name a planet.", "Give me a word."]
-
-
-def scrape(address: str) -> dict[str, list]:
-    """Sample name -> [(labels, value)] from a /metrics endpoint."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples.setdefault(s.name, []).append((s.labels, s.value))
-    return samples
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +106,8 @@ def test_labelled_counters_dashboards_query_start_at_zero_for_every_known_label(
     for spec in metric_specs.SPECS:
         if spec.known and spec.process not in texts:
             texts[spec.process] = generate_latest(Metrics(spec.process).registry).decode()
-        for value in spec.known:
-            assert f'{spec.name}{{{spec.labels[0]}="{value}"}} 0.0' in texts[spec.process], (spec.name, value)
+        for known in spec.known:
+            assert f'{spec.name}{{{spec.labels[0]}="{known}"}} 0.0' in texts[spec.process], (spec.name, known)
     assert any(spec.known for spec in metric_specs.SPECS)
 
 

@@ -75,3 +75,223 @@ def test_drafts_stop_at_the_blocks_the_sequence_holds(default_model, prompts):
     tokens, _ = TinyScheduler(runner).run(prompts[:1], 20)  # blocks reserved for no draft
     assert tokens == plain[0]
     assert 0 < max(drafted) <= 3
+
+
+# ---------------------------------------------------------------- the scheduler's side (plain Python)
+
+EOS = 2
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 100, **params):
+    from conveyor.params import RequestParams
+    from scheduler_svc.request import Request
+
+    p = RequestParams.of(max_tokens=max_tokens, **params)
+    return Request(rid, list(range(10, 10 + prompt_len)), p, p.stop.stop_ids((EOS,)), arrival=0.0)
+
+
+def _scheduler(num_blocks=64, block_size=4, max_len=1000, spec_tokens=4, seqs=8):
+    from scheduler_svc.block_manager import BlockManager
+    from scheduler_svc.policy import Scheduler
+
+    return Scheduler(BlockManager(num_blocks, block_size, False), max_len, 64, seqs, 2000, spec_tokens=spec_tokens)
+
+
+def _answer(s, plan, tokens: list[int]):
+    """Answer every sampling chunk of ``plan`` with ``tokens``: the first sampled, the rest confirmed drafts
+    (as many as the chunk allowed)."""
+    sampled = {c.request.request_id: (tokens[0], None) for c in plan.chunks if c.sample}
+    accepted = {c.request.request_id: [(t, None) for t in tokens[1 : 1 + c.max_drafts]] for c in plan.chunks if c.sample}
+    drafted = {c.request.request_id: c.max_drafts for c in plan.chunks if c.sample}
+    return s.update(plan, sampled, accepted=accepted, drafted=drafted)
+
+
+@pytest.mark.parametrize("case", ["max_tokens", "eos", "stop_token", "max_model_len"])
+def test_a_stop_inside_an_accepted_run_drops_what_follows(case):
+    """Every decode has all 4 drafts confirmed; the request ends exactly where plain decoding would have:
+    max_tokens=7 gives exactly 7 tokens, an eos or a stop token id ends it there, and the max model length caps
+    it, and nothing after the stop is emitted."""
+    s = _scheduler(max_len=12 if case == "max_model_len" else 1000)
+    options = {"stop_token_ids": (50,)} if case == "stop_token" else {}
+    s.add(_request("r", 3, max_tokens=7 if case == "max_tokens" else 100, **options))
+    _answer(s, s.schedule(), [7])  # the prompt: one token
+    run = {"eos": [8, EOS, 9, 9, 9], "stop_token": [8, 9, 50, 9, 9]}.get(case, [8, 9, 9, 9, 9])
+    outputs, allowed = [], []
+    while "r" in s.requests:
+        plan = s.schedule()
+        allowed += [c.max_drafts for c in plan.chunks]
+        outputs += _answer(s, plan, run)
+    assert allowed[0] == 4  # the first decode may draft all 4
+    emitted = [7] + [t for o in outputs for t in o.token_ids]
+    want = {"max_tokens": 7, "eos": 3, "stop_token": 4, "max_model_len": 12 - 3}[case]
+    assert len(emitted) == want
+    assert emitted[1:] == (run * 3)[: want - 1]
+    assert outputs[-1].finish_reason == ("length" if case in ("max_tokens", "max_model_len") else "stop")
+    assert s.blocks.num_used == 0
+
+
+class _Worker:
+    """The worker's bookkeeping of positions and blocks, as ``ModelRunner`` keeps it, with drafts confirmed at
+    random instead of by a model: it fails on any chunk whose position or blocks the runner would refuse."""
+
+    def __init__(self, block_size: int, max_len: int, rng):
+        self.block_size, self.max_len, self.rng = block_size, max_len, rng
+        self.seqs: dict[str, dict] = {}
+
+    def step(self, plan):
+        if plan.free_all:
+            self.seqs.clear()
+        for rid in plan.free_ids:
+            self.seqs.pop(rid, None)
+        sampled, accepted, drafted = {}, {}, {}
+        for c in plan.chunks:
+            rid = c.request.request_id
+            if c.registers:
+                assert c.start_pos == len(c.cached_ids)
+                self.seqs[rid] = {"computed": c.start_pos, "table": [], "last": None, "accepted": 0}
+            seq = self.seqs[rid]
+            start, n = c.start_pos, len(c.token_ids)
+            if c.decode_last:
+                assert seq["last"] is not None and n == 0
+                start, n = start + seq["accepted"], 1
+            assert start == seq["computed"], (rid, start, seq)
+            seq["table"] += c.new_blocks
+            end = start + n
+            capacity = len(seq["table"]) * self.block_size
+            assert end <= min(capacity, self.max_len), (rid, end, capacity)
+            seq.update(computed=end, last=None, accepted=0)
+            if c.sample:
+                room = min(c.max_drafts, capacity - end, self.max_len - end) if n == 1 else 0
+                drafts = self.rng.randint(0, max(room, 0))
+                kept = self.rng.randint(0, drafts)
+                tokens = [self.rng.choice([7, 8, 9, 9, 9, EOS]) if self.rng.random() < 0.05 else 9
+                          for _ in range(kept + 1)]
+                seq.update(computed=end + kept, last=tokens[-1], accepted=kept)
+                sampled[rid] = (tokens[0], None)
+                accepted[rid] = [(t, None) for t in tokens[1:]]
+                drafted[rid] = drafts
+        return sampled, accepted, drafted
+
+
+def test_block_accounting_under_random_acceptance_aborts_and_preemptions():
+    """1,000 requests through a small cache, two steps in flight as the engine keeps them, drafts confirmed at
+    random, some requests aborted: every chunk is one the worker accepts (positions after the confirmed drafts,
+    blocks that reach), no request holds more than one block above what its scheduled tokens need, and every
+    block is back at the end."""
+    import random
+    from collections import deque
+
+    rng = random.Random(0)
+    block_size, max_len = 16, 200
+    s = _scheduler(num_blocks=40, block_size=block_size, max_len=max_len, seqs=16)
+    s.spec_max_batch = 16
+    worker = _Worker(block_size, max_len, rng)
+    added, in_flight, steps = 0, deque(), 0
+    while added < 1000 or s.has_work or in_flight:
+        steps += 1
+        while added < 1000 and len(s.waiting) < 8:
+            s.add(_request(f"r{added}", rng.randint(1, 60), max_tokens=rng.randint(1, 40)))
+            added += 1
+        if s.running and rng.random() < 0.02:
+            s.abort(rng.choice(s.running).request_id)
+        plan = s.schedule() if len(in_flight) < 2 else None
+        if plan is not None and not plan.empty:
+            in_flight.append((plan, worker.step(plan)))
+            for r in s.running:
+                held = len(s.blocks.table(r.request_id))
+                assert held <= -(-r.num_computed // block_size) + 1, (r.request_id, held, r.num_computed)
+            if len(in_flight) < 2:
+                continue
+        if in_flight:
+            done, (sampled, accepted, drafted) = in_flight.popleft()
+            s.update(done, sampled, accepted=accepted, drafted=drafted)
+    assert s.counters.finished == 1000 and s.counters.preemptions > 0 and s.counters.accepted > 1000
+    s.schedule()  # the last frees reach the worker
+    assert s.blocks.num_free == s.blocks.num_blocks and not s.requests
+
+
+# ---------------------------------------------------------------- served: the real stack, speculating
+
+SERVED_TOKENS = 40
+ASKS = [f"Repeat this text exactly: {PASSAGE}", f"Here is a sentence: {PASSAGE} Write it again, word for word.",
+        "Copy this list: apples, pears, plums, figs, apples, pears, plums, figs.", "What is the capital of France?"]
+SEEDED = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "seed": 11}
+
+
+@pytest.fixture(scope="module")
+def spec_stack(tmp_path_factory):
+    from helpers import start_stack
+
+    s = start_stack(tmp_path_factory.mktemp("speculative"), kv_cache_bytes=128 << 20, speculative="ngram",
+                    spec_max_batch=8)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_client(spec_stack):
+    from conveyor.client import Client
+
+    with Client(spec_stack.endpoint, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def served_reference(default_model):
+    """Plain decoding of each ask by the worker's runner alone (greedy, and seeded), cut after the first eos as
+    the server cuts it."""
+    tok = default_model.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}]), add_special_tokens=False)
+               for a in ASKS]
+    seeded = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    eos = set(tok.eos_token_ids)
+    out = {}
+    for name, params in (("greedy", None), ("seeded", [seeded] * len(prompts))):
+        tokens, _ = TinyScheduler(make_runner(default_model)).run(prompts, SERVED_TOKENS, params, together=False)
+        out[name] = [t[: next((i + 1 for i, x in enumerate(t) if x in eos), len(t))] for t in tokens]
+    return out
+
+
+def _chat_all(client, options: dict, ids: list[str] | None = None):
+    from concurrent.futures import ThreadPoolExecutor
+
+    ids = ids or [""] * len(ASKS)
+    with ThreadPoolExecutor(len(ASKS)) as pool:
+        return list(pool.map(lambda a: client.chat([{"role": "user", "content": a[0]}], request_id=a[1],
+                                                   max_tokens=SERVED_TOKENS, **options), zip(ASKS, ids)))
+
+
+def test_served_speculation_gives_plain_decodings_tokens(spec_stack, spec_client, served_reference):
+    """Four streams at once through the whole stack with --speculative ngram (two steps in flight, decode_last
+    after confirmed drafts): greedy and seeded output is the worker's plain decoding token for token, Redis holds
+    exactly the tokens emitted, and the scheduler counted drafts the model confirmed."""
+    from helpers import scrape, value
+
+    from conveyor.state import RequestStore
+
+    store = RequestStore.from_url(spec_stack.redis_url)
+    for name, options in (("greedy", {"temperature": 0.0}), ("seeded", SEEDED)):
+        ids = [f"{name}-{i}" for i in range(len(ASKS))]
+        results = _chat_all(spec_client, options, ids)
+        for i, result in enumerate(results):
+            assert result.token_ids == served_reference[name][i], f"{name} {ASKS[i]!r}"
+            assert store.find(ids[i]).output_ids == result.token_ids
+    samples = scrape(spec_stack.child("scheduler").metrics)
+    accepted = value(samples, "conveyor_spec_accepted_tokens_total")
+    assert 0 < accepted <= value(samples, "conveyor_spec_draft_tokens_total")
+
+
+def test_served_stops_inside_an_accepted_run(spec_client, served_reference, default_model):
+    """max_tokens=7 gives exactly plain decoding's first 7 tokens; a stop string spanning two tokens of a
+    confirmed run ends the text right before it, as without speculation."""
+    want = served_reference["greedy"][0]
+    seven = spec_client.chat([{"role": "user", "content": ASKS[0]}], temperature=0.0, max_tokens=7)
+    assert seven.token_ids == want[:7] and seven.finish_reason == "length"
+    tok = default_model.tokenizer
+    text = tok.decode(want, skip_special_tokens=True)
+    cut = len(tok.decode(want[:12], skip_special_tokens=True))  # a token boundary deep in a repeated run
+    stop = text[cut - 2 : cut + 2]
+    assert text.find(stop) == cut - 2, "the stop string must first occur at the boundary"
+    stopped = spec_client.chat([{"role": "user", "content": ASKS[0]}], temperature=0.0, max_tokens=SERVED_TOKENS,
+                               stop=[stop])
+    assert stopped.text == text[: cut - 2] and stopped.finish_reason == "stop"

@@ -53,6 +53,10 @@ class WorkerConfig:
         -1, "CPU threads for a step of a single token (one stream decoding): -1 leaves one core to the scheduler, "
         "detokenizer and frontend, which work between every two tokens and would otherwise preempt a model thread "
         "mid-step while the others wait for it; 0: as many as --threads")
+    spec_min_ngram: int = setting(3, "speculation: the shortest run of last tokens a draft is looked up by (what "
+                                     "followed it earlier in the sequence is the draft)")
+    spec_max_ngram: int = setting(5, "speculation: the longest run of last tokens a draft is looked up by (the "
+                                     "longest that matches wins)")
     seed: int | None = setting(None, "seed of the worker's generator for unseeded requests")
     fail_on_token: int = setting(-1, "fault injection for tests: every step that computes this token id fails "
                                      "(as a kernel or device error would); -1: off")
@@ -71,6 +75,9 @@ class WorkerConfig:
         require(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
         require(1 <= self.max_graph_batch <= 4096, "max_graph_batch", f"must be in [1, 4096], got {self.max_graph_batch}")
         require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+        require(1 <= self.spec_min_ngram <= self.spec_max_ngram <= 64, "spec_min_ngram",
+                f"must be in [1, spec_max_ngram] and spec_max_ngram at most 64, got {self.spec_min_ngram} and "
+                f"{self.spec_max_ngram}")
         require(self.small_step_threads >= -1, "small_step_threads", f"must be >= -1, got {self.small_step_threads}")
         require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",

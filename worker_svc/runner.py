@@ -103,6 +103,7 @@ class SeqState:
     stop: StopParams = field(default_factory=StopParams)
     constraint: Constraint | None = None  # structured output: its matcher, fed the output tokens
     drafts: NgramIndex | None = None  # its history's n-grams, made when it first drafts
+    accepted_last: int = 0  # drafts its last step confirmed: a decode_last sent before that answer starts after them
 
 
 class ModelRunner:
@@ -153,10 +154,12 @@ class ModelRunner:
         where = f"sequence {c.seq_id!r}"
         if c.token_ids:
             raise InvalidStep(f"{where}: decode_last takes no token_ids", c.seq_id)
-        last = self.seqs[c.seq_id].last_sampled if known else None
-        if last is None:
+        state = self.seqs[c.seq_id] if known else None
+        if state is None or state.last_sampled is None:
             raise InvalidStep(f"{where}: decode_last but nothing was sampled for it in the previous step", c.seq_id)
-        return replace(c, token_ids=[last], decode_last=False)
+        # sent before the previous step's answer: its start_pos counts one token for that step
+        return replace(c, token_ids=[state.last_sampled], start_pos=c.start_pos + state.accepted_last,
+                       decode_last=False)
 
     def _check_chunk(self, c: SeqChunk, known: bool) -> None:
         where = f"sequence {c.seq_id!r}"
@@ -217,7 +220,7 @@ class ModelRunner:
         for r in results:
             if r.sampled is not None:
                 s = staged[r.seq_id]
-                s.last_sampled = r.tokens[-1].token_id
+                s.last_sampled, s.accepted_last = r.tokens[-1].token_id, len(r.accepted)
                 if r.drafted > len(r.accepted):  # the rejected drafts' KV is junk, overwritten later
                     del s.tokens[len(s.tokens) - (r.drafted - len(r.accepted)) :]
         self.seqs.update(staged)  # commit only after the forward succeeded
@@ -276,7 +279,7 @@ class ModelRunner:
                             stop=c.stop, constraint=constraint)
         old = self.seqs[c.seq_id]
         return replace(old, tokens=old.tokens + c.token_ids, block_table=old.block_table + c.new_block_ids,
-                       last_sampled=None)
+                       last_sampled=None, accepted_last=0)
 
     def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState],
                             drafts: dict[str, list[int]]) -> list[StepResult]:

@@ -55,7 +55,7 @@ def step_from_pb(pb: worker_pb2.StepRequest, limits: Limits) -> StepInput:
         chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, new_block_ids=list(c.new_block_ids),
                                sample=c.sample, sampling=sampling, num_prompt_tokens=c.num_prompt_tokens,
                                decode_last=c.decode_last, cached_token_ids=list(c.cached_token_ids), stop=stop,
-                               structured=structured))
+                               structured=structured, max_drafts=c.max_drafts))
     return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
 
 
@@ -65,9 +65,15 @@ def _token_pb(seq_id: str, token_id: int, logprob: float, top: list[tuple[int, f
                                    top_logprobs=[worker_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
 
 
+def _sampled_pb(r: StepResult) -> worker_pb2.SampledToken:
+    token = _token_pb(r.seq_id, r.sampled.token_id, r.sampled.logprob, r.sampled.top_logprobs, r.sampled.error)
+    token.accepted.extend(_token_pb("", a.token_id, a.logprob, a.top_logprobs) for a in r.accepted)
+    token.drafted = r.drafted
+    return token
+
+
 def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> worker_pb2.StepResponse:
-    tokens = [_token_pb(r.seq_id, r.sampled.token_id, r.sampled.logprob, r.sampled.top_logprobs, r.sampled.error)
-              for r in results if r.sampled is not None]
+    tokens = [_sampled_pb(r) for r in results if r.sampled is not None]
     prompt = [worker_pb2.PromptLogprobs(seq_id=r.seq_id, first_position=r.prompt[0],
                                         tokens=[_token_pb("", s.token_id, s.logprob, s.top_logprobs) for s in r.prompt[1]],
                                         ranks=[s.rank for s in r.prompt[1]])
@@ -191,7 +197,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     graphs = CudaGraph.factory() if device.type == "cuda" and cfg.cuda_graphs else None
     runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed, fail_on_token=cfg.fail_on_token,
                          threads=(threads, min(small, threads)), attention=cfg.attention, graphs=graphs,
-                         max_graph_batch=cfg.max_graph_batch,
+                         max_graph_batch=cfg.max_graph_batch, ngram=(cfg.spec_min_ngram, cfg.spec_max_ngram),
                          constraints=Constraints(loaded.tokenizer.tokenizer.to_str(), loaded.config.vocab_size,
                                                  loaded.tokenizer.eos_token_ids))
     if runner.graphs is not None:

@@ -36,7 +36,7 @@ class InfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_bytes: _Optional[int] = ..., bos_token_id: _Optional[int] = ...) -> None: ...
 
 class SequenceChunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "new_block_ids", "sample", "sampling", "num_prompt_tokens", "decode_last", "cached_token_ids", "stop", "structured")
+    __slots__ = ("seq_id", "token_ids", "start_pos", "new_block_ids", "sample", "sampling", "num_prompt_tokens", "decode_last", "cached_token_ids", "stop", "structured", "max_drafts")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class SequenceChunk(_message.Message):
     CACHED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -59,7 +60,8 @@ class SequenceChunk(_message.Message):
     cached_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _conveyor_pb2.StopConditions
     structured: _conveyor_pb2.Structured
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_conveyor_pb2.SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., decode_last: _Optional[bool] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Union[_conveyor_pb2.StopConditions, _Mapping]] = ..., structured: _Optional[_Union[_conveyor_pb2.Structured, _Mapping]] = ...) -> None: ...
+    max_drafts: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_conveyor_pb2.SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., decode_last: _Optional[bool] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Union[_conveyor_pb2.StopConditions, _Mapping]] = ..., structured: _Optional[_Union[_conveyor_pb2.Structured, _Mapping]] = ..., max_drafts: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "chunks", "free_seq_ids", "free_all")
@@ -82,18 +84,22 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "error")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "error", "accepted", "drafted")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     error: str
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    accepted: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    drafted: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., error: _Optional[str] = ..., accepted: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., drafted: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "tokens", "compute_seconds", "prompt_logprobs")

@@ -94,6 +94,11 @@ def scheduler() -> dict:
               [("looked up / s", f"sum(rate(conveyor_prefix_cache_queries_total[{RATE}]))"),
                ("found / s", f"sum(rate(conveyor_prefix_cache_hits_total[{RATE}]))"),
                ("cached blocks", "sum(conveyor_prefix_cache_blocks)")]),
+        panel("Speculation: tokens drafted and confirmed / s, and the share confirmed",
+              [("drafted / s", f"sum(rate(conveyor_spec_draft_tokens_total[{RATE}]))"),
+               ("confirmed / s", f"sum(rate(conveyor_spec_accepted_tokens_total[{RATE}]))"),
+               ("confirmed share", f"sum(rate(conveyor_spec_accepted_tokens_total[{RATE}])) / "
+                                   f"sum(rate(conveyor_spec_draft_tokens_total[{RATE}]))")]),
         panel("Prefill and decode time", quantiles("conveyor_prefill_time_seconds", qs=(0.5, 0.9))
               + [(f"decode {legend}", expr) for legend, expr in quantiles("conveyor_decode_time_seconds", qs=(0.5, 0.9))],
               "s"),
