@@ -20,8 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from dataclasses import replace
-
 from conveyor.engines import Lease
 from conveyor.errors import InvalidArgument, NotFound, Unavailable
 from conveyor.metrics import Metrics
@@ -192,7 +190,7 @@ class Engine:
                                      len(r.output_ids))
                          for r in (*s.waiting, *s.running) if r.status is not Status.FINISHED) if requests else ()
             return Snapshot(len(s.running), len(s.waiting), b.block_size, b.num_blocks, b.num_free, b.num_cached,
-                            replace(s.counters), b.stats.queries, b.stats.hits, self.health.worker_up,
+                            s.counters.copy(), b.stats.queries, b.stats.hits, self.health.worker_up,
                             self.health.redis_up, held)
 
     # ------------------------------------------------------------ the loop

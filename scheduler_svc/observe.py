@@ -136,6 +136,8 @@ class StepMetrics:
         m.aborts.inc(c.aborts - done.aborts)
         m.spec_draft_tokens.inc(c.drafted - done.drafted)
         m.spec_accepted_tokens.inc(c.accepted - done.accepted)
+        for reason, count in c.spec_skipped.items():
+            m.spec_skipped.labels(reason).inc(count - done.spec_skipped[reason])
         self._counted = c
         m.prefix_cache_queries.inc(s.prefix_queries - self._prefix_counted[0])
         m.prefix_cache_hits.inc(s.prefix_hits - self._prefix_counted[1])

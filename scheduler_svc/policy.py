@@ -33,14 +33,17 @@ token plain decoding would have produced. They go through the stop checks one by
 is dropped), and the confirmed drafts' KV counts as computed once the answer is back. Until then a
 request's blocks must reach as far as its drafts in flight could take it (``drafts_in_flight``); the room
 for new drafts is only taken when free blocks allow it without preempting anyone. A step with more
-running requests than ``spec_max_batch`` does not draft (a verify row then costs more than it saves).
+running requests than ``spec_max_batch`` does not draft (a verify row then costs more than it saves), and a
+request whose share of drafts confirmed falls below ``SPEC_MIN_RATE`` (output that does not repeat its context:
+on a compute-bound step each drafted row costs about what a decode row does, so drafts must mostly be right)
+pauses drafting for a while, twice as long each time it falls below again.
 """
 
 from __future__ import annotations
 
 import time
 from bisect import insort
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from conveyor.errors import ResourceExhausted
 from scheduler_svc.block_manager import BlockManager
@@ -114,6 +117,11 @@ class Answer:
     drafted: dict[str, int] = field(default_factory=dict)
 
 
+SPEC_MIN_RATE = 0.4  # a request's drafts confirmed (a moving average over its verify steps) below which it pauses
+SPEC_PAUSE = (4, 64)  # decodes a request then goes without drafting: the first pause, the longest (doubling)
+SPEC_SKIPS = ("batch", "paused", "blocks")  # why a decode that could draft did not (Counters.spec_skipped)
+
+
 @dataclass
 class Counters:
     steps: int = 0
@@ -122,6 +130,10 @@ class Counters:
     finished: int = 0
     drafted: int = 0  # tokens drafted for verification (speculation)
     accepted: int = 0  # of them, confirmed by the model and emitted
+    spec_skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPEC_SKIPS, 0))  # decodes, by why
+
+    def copy(self) -> Counters:
+        return replace(self, spec_skipped=dict(self.spec_skipped))
 
 
 class Scheduler:
@@ -377,22 +389,49 @@ class Scheduler:
         return self._chunk(request, n, registers=True)
 
     def _drafts(self, request: Request, n: int, registers: bool) -> int:
-        """Tokens a decode of ``request`` may draft this step: none for a prompt chunk, a constrained request, a
-        step with more than ``spec_max_batch`` running, or past its max_tokens and the max model length."""
+        """Tokens a decode of ``request`` may draft this step: none for a prompt chunk or a constrained request,
+        nor in a step with more than ``spec_max_batch`` running, nor while the request pauses drafting; else
+        ``spec_tokens`` times its share of drafts confirmed (at least one), never past its max_tokens or the max
+        model length."""
         decode = n == 1 and request.num_pending <= 1 and not registers
-        if not (self.spec_tokens and decode and len(self.running) <= self.spec_max_batch
-                and request.params.structured is None):
+        if not (self.spec_tokens and decode and request.params.structured is None):
+            return 0
+        if len(self.running) > self.spec_max_batch:
+            self.counters.spec_skipped["batch"] += 1
+            return 0
+        if request.spec_pause:
+            request.spec_pause -= 1
+            self.counters.spec_skipped["paused"] += 1
             return 0
         ahead = request.samples_in_flight + request.drafts_in_flight + 1  # the most tokens in flight, and this one
         left = min(request.params.stop.max_tokens - len(request.output_ids),
                    self.max_model_len - request.num_tokens) - ahead
-        return max(0, min(self.spec_tokens, left))
+        # as many as its drafts tend to be confirmed: a request guessing badly verifies fewer rows
+        likely = max(1, round(self.spec_tokens * request.spec_rate))
+        return max(0, min(likely, left))
+
+    @staticmethod
+    def _judge_drafts(request: Request, drafted: int, confirmed: int) -> None:
+        """After a verify step: the request's share of drafts confirmed, averaged (each step half of it). Below
+        ``SPEC_MIN_RATE`` it pauses drafting, twice as long as last time; it comes back on probation (one more
+        step as bad pauses it again)."""
+        if not drafted:
+            return
+        request.spec_rate = (request.spec_rate + confirmed / drafted) / 2
+        if request.spec_rate >= SPEC_MIN_RATE:
+            if request.spec_rate >= 2 * SPEC_MIN_RATE:
+                request.spec_next_pause = SPEC_PAUSE[0]  # doing well again: the next pause starts short
+            return
+        request.spec_pause = request.spec_next_pause or SPEC_PAUSE[0]
+        request.spec_next_pause = min(2 * request.spec_pause, SPEC_PAUSE[1])
+        request.spec_rate = 2 * SPEC_MIN_RATE
 
     def _chunk(self, request: Request, n: int, registers: bool = False) -> Chunk:
         start = request.num_computed
         drafts = self._drafts(request, n, registers)
         if drafts and not self.blocks.can_grow(request.request_id, request.reach(n) + drafts):
             drafts = 0  # room for drafts only from free blocks: speculation never preempts
+            self.counters.spec_skipped["blocks"] += 1
         new_blocks = self.blocks.grow(request.request_id, request.reach(n) + drafts)
         if registers:
             new_blocks = list(self.blocks.table(request.request_id))
@@ -440,8 +479,10 @@ class Scheduler:
                 outputs.append(self._finish(request, "error"))
                 continue
             confirmed = (accepted or {}).get(request.request_id, [])
-            self.counters.drafted += (drafted or {}).get(request.request_id, 0)
+            tried = (drafted or {}).get(request.request_id, 0)
+            self.counters.drafted += tried
             self.counters.accepted += len(confirmed)
+            self._judge_drafts(request, tried, len(confirmed))
             request.num_computed += len(confirmed)  # the worker computed their KV, verifying them
             if request.first_token_time is None:
                 request.first_token_time = now

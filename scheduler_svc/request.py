@@ -28,6 +28,9 @@ class Request:
     num_computed: int = 0  # tokens of prompt + output scheduled (sent to the worker to compute)
     samples_in_flight: int = 0  # sampling chunks sent whose token has not come back yet
     drafts_in_flight: int = 0  # speculation: tokens those chunks may draft (their confirmed ones extend the KV)
+    spec_rate: float = 1.0  # share of its drafts confirmed, a moving average over its verify steps
+    spec_pause: int = 0  # decodes left without drafting (its drafts kept being refused)
+    spec_next_pause: int = 0  # the pause after the next misses (0: the first)
     epoch: int = 0  # +1 at each preemption: results of chunks sent before it are stale
     first_token_time: float | None = None  # Unix time (recorded in Redis)
     finish_reason: str | None = None

@@ -115,6 +115,7 @@ def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     )
 
 
+KV_BLOCK_BYTES = 737280  # one 16-token KV block of the default model (30 layers, 3 KV heads of 64, fp32)
 FREE_METRICS_PORTS = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
 FREE_METRICS_FLAGS = [a for name in ("frontend", "scheduler", "worker", "detokenizer")
                       for a in (f"--{name}-metrics-port", "0")]

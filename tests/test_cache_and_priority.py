@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import TinyScheduler, make_runner, scheduler_stats, start_stack, supervised_stack, wait_child
+from helpers import KV_BLOCK_BYTES, TinyScheduler, make_runner, scheduler_stats, start_stack, supervised_stack, wait_child
 
 from conveyor.client import Client
 from conveyor.state import RequestStore
@@ -115,7 +115,7 @@ def test_under_preemption_outputs_are_those_of_each_alone(tmp_path_factory, tok,
                for i in range(6)]
     expected = _alone(default_model, prompts, PREEMPT_TOKENS)
     # 14 blocks of 16 tokens: each request needs 4-6, so two or three run at a time and the newest is preempted
-    small = start_stack(tmp_path_factory.mktemp("prefix-small"), kv_cache_bytes=14 * 737280, prefix_cache=prefix_cache)
+    small = start_stack(tmp_path_factory.mktemp("prefix-small"), kv_cache_bytes=14 * KV_BLOCK_BYTES, prefix_cache=prefix_cache)
     try:
         with Client(small.endpoint, timeout=600) as client:
             got = _generate(client, prompts, PREEMPT_TOKENS)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, free_port, scrape, start_stack, value
+from helpers import KV_BLOCK_BYTES, ROOT, free_port, scrape, start_stack, value
 
 from conveyor import metrics as metric_specs
 from conveyor.client import Client
@@ -83,7 +83,7 @@ def test_metric_values_agree_with_what_the_client_saw(stack, traffic):
     sch = scrape(stack.child("scheduler").metrics)
     steps = value(sch, "conveyor_steps_total")
     assert steps > 0 and value(sch, "conveyor_batch_size_count") == steps
-    assert value(sch, "conveyor_kv_blocks_total") == (128 << 20) // 737280
+    assert value(sch, "conveyor_kv_blocks_total") == (128 << 20) // KV_BLOCK_BYTES
     assert value(sch, "conveyor_requests_running") == 0 and value(sch, "conveyor_kv_blocks_used") == 0
     assert value(sch, "conveyor_queue_time_seconds_count") >= len(traffic)
     assert value(sch, "conveyor_worker_up") == 1

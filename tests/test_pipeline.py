@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import TinyScheduler, make_runner, start_stack
+from helpers import KV_BLOCK_BYTES, TinyScheduler, make_runner, start_stack
 
 from conveyor.client import AsyncClient, Client
 from conveyor.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, ResourceExhausted
@@ -263,7 +263,7 @@ def _long_run(c: Client) -> list:
 
 def test_small_kv_pool_preempts_and_everyone_finishes_identically(tmp_path_factory, client):
     expected = _long_run(client)  # the roomy stack
-    small = _up(tmp_path_factory, "small", kv_cache_bytes=24 * 737280)  # 24 blocks: room for about two at once
+    small = _up(tmp_path_factory, "small", kv_cache_bytes=24 * KV_BLOCK_BYTES)  # 24 blocks: room for about two at once
     try:
         with Client(small.endpoint, timeout=600) as c:
             got = _long_run(c)

@@ -3,10 +3,19 @@ and the tokens emitted exactly those of plain decoding (greedy and seeded, under
 
 from __future__ import annotations
 
-import pytest
-from helpers import TinyScheduler, make_runner
+import random
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
-from conveyor.params import SamplingParams
+import pytest
+from helpers import KV_BLOCK_BYTES, TinyScheduler, make_runner, scrape, start_stack, value
+
+from conveyor.client import Client
+from conveyor.params import RequestParams, SamplingParams
+from conveyor.state import RequestStore
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.policy import Scheduler
+from scheduler_svc.request import Request
 from worker_svc.speculative import NgramIndex
 
 MAX_TOKENS = 32
@@ -83,17 +92,11 @@ EOS = 2
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int = 100, **params):
-    from conveyor.params import RequestParams
-    from scheduler_svc.request import Request
-
     p = RequestParams.of(max_tokens=max_tokens, **params)
     return Request(rid, list(range(10, 10 + prompt_len)), p, p.stop.stop_ids((EOS,)), arrival=0.0)
 
 
 def _scheduler(num_blocks=64, block_size=4, max_len=1000, spec_tokens=4, seqs=8):
-    from scheduler_svc.block_manager import BlockManager
-    from scheduler_svc.policy import Scheduler
-
     return Scheduler(BlockManager(num_blocks, block_size, False), max_len, 64, seqs, 2000, spec_tokens=spec_tokens)
 
 
@@ -178,9 +181,6 @@ def test_block_accounting_under_random_acceptance_aborts_and_preemptions():
     random, some requests aborted: every chunk is one the worker accepts (positions after the confirmed drafts,
     blocks that reach), no request holds more than one block above what its scheduled tokens need, and every
     block is back at the end."""
-    import random
-    from collections import deque
-
     rng = random.Random(0)
     block_size, max_len = 16, 200
     s = _scheduler(num_blocks=40, block_size=block_size, max_len=max_len, seqs=16)
@@ -220,9 +220,9 @@ SEEDED = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetitio
 
 @pytest.fixture(scope="module")
 def spec_stack(tmp_path_factory):
-    from helpers import start_stack
-
-    s = start_stack(tmp_path_factory.mktemp("speculative"), kv_cache_bytes=128 << 20, speculative="ngram",
+    # 12 blocks of 16 tokens: four streams of up to ~110 tokens cannot all hold theirs, so requests are preempted and
+    # recomputed mid-run (the prefix cache is on, as by default)
+    s = start_stack(tmp_path_factory.mktemp("speculative"), kv_cache_bytes=12 * KV_BLOCK_BYTES, speculative="ngram",
                     spec_max_batch=8)
     yield s
     s.stop()
@@ -230,8 +230,6 @@ def spec_stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_client(spec_stack):
-    from conveyor.client import Client
-
     with Client(spec_stack.endpoint, timeout=300) as c:
         yield c
 
@@ -253,8 +251,6 @@ def served_reference(default_model):
 
 
 def _chat_all(client, options: dict, ids: list[str] | None = None):
-    from concurrent.futures import ThreadPoolExecutor
-
     ids = ids or [""] * len(ASKS)
     with ThreadPoolExecutor(len(ASKS)) as pool:
         return list(pool.map(lambda a: client.chat([{"role": "user", "content": a[0]}], request_id=a[1],
@@ -263,12 +259,9 @@ def _chat_all(client, options: dict, ids: list[str] | None = None):
 
 def test_served_speculation_gives_plain_decodings_tokens(spec_stack, spec_client, served_reference):
     """Four streams at once through the whole stack with --speculative ngram (two steps in flight, decode_last
-    after confirmed drafts): greedy and seeded output is the worker's plain decoding token for token, Redis holds
-    exactly the tokens emitted, and the scheduler counted drafts the model confirmed."""
-    from helpers import scrape, value
-
-    from conveyor.state import RequestStore
-
+    after confirmed drafts, preemptions in a cache too small for all four, the prefix cache on): greedy and
+    seeded output is the worker's plain decoding token for token, Redis holds exactly the tokens emitted, and
+    the scheduler counted drafts the model confirmed."""
     store = RequestStore.from_url(spec_stack.redis_url)
     for name, options in (("greedy", {"temperature": 0.0}), ("seeded", SEEDED)):
         ids = [f"{name}-{i}" for i in range(len(ASKS))]
@@ -279,6 +272,7 @@ def test_served_speculation_gives_plain_decodings_tokens(spec_stack, spec_client
     samples = scrape(spec_stack.child("scheduler").metrics)
     accepted = value(samples, "conveyor_spec_accepted_tokens_total")
     assert 0 < accepted <= value(samples, "conveyor_spec_draft_tokens_total")
+    assert value(samples, "conveyor_preemptions_total") > 0
 
 
 def test_served_stops_inside_an_accepted_run(spec_client, served_reference, default_model):
@@ -295,3 +289,41 @@ def test_served_stops_inside_an_accepted_run(spec_client, served_reference, defa
     stopped = spec_client.chat([{"role": "user", "content": ASKS[0]}], temperature=0.0, max_tokens=SERVED_TOKENS,
                                stop=[stop])
     assert stopped.text == text[: cut - 2] and stopped.finish_reason == "stop"
+
+
+def _decoding(s, steps: int, tokens: list[int]) -> list[int]:
+    """Run ``steps`` decodes of the one request, each answered with ``tokens``; the drafts each could make."""
+    allowed = []
+    for _ in range(steps):
+        plan = s.schedule()
+        allowed.append(plan.chunks[0].max_drafts)
+        _answer(s, plan, tokens)
+    return allowed
+
+
+def test_a_request_whose_drafts_keep_being_refused_pauses_drafting():
+    """A request whose share of drafts confirmed (averaged over its verify steps) falls below 40 % decodes 4
+    times without drafting, then drafts again on probation; falling below again, it pauses 8 decodes; drafts
+    confirmed again end the doubling."""
+    s = _scheduler()
+    s.add(_request("r", 3))
+    _answer(s, s.schedule(), [7])  # the prompt
+
+    def pattern(steps: int, tokens: list[int]) -> str:  # "d": a decode that may draft, ".": one that may not
+        return "".join("d" if n else "." for n in _decoding(s, steps, tokens))
+
+    refused, confirmed = [8], [8, 9, 9, 9, 9]  # the sampled token alone, or with every draft confirmed
+    assert pattern(17, refused) == "dd" + "...." + "dd" + "........" + "d"  # 1.0 -> 0.5 -> 0.25: paused
+    assert pattern(2, confirmed) == "dd"
+    assert pattern(8, refused) == "dd" + "...." + "dd"  # back to the first pause
+    assert s.counters.spec_skipped["paused"] == 16
+
+
+def test_a_request_drafts_as_many_as_its_drafts_tend_to_be_confirmed():
+    """4 drafts while every one is confirmed; confirming one per step, the request drafts 2 (a verify of fewer
+    rows), and still drafts: one right draft of two is worth it."""
+    s = _scheduler()
+    s.add(_request("r", 3))
+    _answer(s, s.schedule(), [7])
+    assert _decoding(s, 3, [8, 9, 9, 9, 9]) == [4, 4, 4]
+    assert _decoding(s, 4, [8, 9]) == [4, 2, 2, 2]  # shares 1/4, then 1/2: averages 0.63, 0.56, 0.53

@@ -99,6 +99,8 @@ def scheduler() -> dict:
                ("confirmed / s", f"sum(rate(conveyor_spec_accepted_tokens_total[{RATE}]))"),
                ("confirmed share", f"sum(rate(conveyor_spec_accepted_tokens_total[{RATE}])) / "
                                    f"sum(rate(conveyor_spec_draft_tokens_total[{RATE}]))")]),
+        panel("Speculation: decodes that did not draft / s, by why",
+              [("{{reason}}", f"sum by (reason) (rate(conveyor_spec_skipped_total[{RATE}]))")], "ops"),
         panel("Prefill and decode time", quantiles("conveyor_prefill_time_seconds", qs=(0.5, 0.9))
               + [(f"decode {legend}", expr) for legend, expr in quantiles("conveyor_decode_time_seconds", qs=(0.5, 0.9))],
               "s"),
