@@ -20,17 +20,15 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from conveyor.client import Client  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+from conveyor.metrics import scrape, value  # noqa: E402
 
 NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jun", "Kofi", "Lena"]
 CITIES = ["Lisbon", "Osaka", "Lagos", "Quito", "Oslo", "Hanoi", "Tunis", "Perth", "Lyon", "Cusco"]
@@ -73,15 +71,9 @@ def prompts(per_kind: int, seed: int = 0) -> dict[str, list[str]]:
 
 
 def counters(address: str) -> dict[str, float]:
-    """The scheduler's speculation and step counters."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in ("conveyor_spec_draft_tokens_total", "conveyor_spec_accepted_tokens_total"):
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    """The scheduler's speculation counters."""
+    samples = scrape(address)
+    return {name: value(samples, name) for name in ("conveyor_spec_draft_tokens_total", "conveyor_spec_accepted_tokens_total")}
 
 
 def run_kind(client: Client, asks: list[str], streams: int, max_tokens: int) -> tuple[int, float, list[float]]:

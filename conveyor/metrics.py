@@ -8,9 +8,11 @@ Each process serves its own registry on ``--metrics-port`` (``/metrics``): the d
 
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.params import STRUCTURED_KINDS
 
@@ -196,3 +198,19 @@ def markdown_table() -> str:
 
 if __name__ == "__main__":
     print(markdown_table(), end="")
+
+
+def scrape(address: str) -> dict[str, list]:
+    """Sample name -> [(labels, value)] from a /metrics endpoint."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """The sum of ``name``'s samples (of ``scrape``) whose labels include ``labels``."""
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))

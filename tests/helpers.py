@@ -7,14 +7,13 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor import grpc_util, launcher
+from conveyor.metrics import scrape, value  # noqa: F401 - re-exported for the tests
 from conveyor.launcher import free_port  # noqa: F401 - re-exported for the tests
 from worker_svc import cpu_kernels
 
@@ -235,21 +234,6 @@ class TinyScheduler:
                 self.free_blocks += s["blocks"]
                 s["blocks"] = []
         return [s["out"][:max_tokens] for s in seqs], [s["lp"][:max_tokens] for s in seqs]
-
-
-def scrape(address: str) -> dict[str, list]:
-    """Sample name -> [(labels, value)] from a /metrics endpoint."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples.setdefault(s.name, []).append((s.labels, s.value))
-    return samples
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
 
 
 def scheduler_stats(stack, name: str = "scheduler"):

@@ -13,15 +13,13 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
-from helpers import extra_frontend, stop, supervised_stack, wait_child
+from helpers import extra_frontend, scrape, stop, supervised_stack, value, wait_child
 
 from conveyor import grpc_util
 from conveyor.client import Client
@@ -119,9 +117,7 @@ def reference(stack) -> list[Received]:
 
 
 def _counter(stack, service: str, name: str) -> float:
-    with urllib.request.urlopen(f"http://{stack.child(service).metrics}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return value(scrape(stack.child(service).metrics), name)
 
 
 def recovery_counters(stack) -> str:
