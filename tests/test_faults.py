@@ -45,7 +45,10 @@ class Received:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with supervised_stack(tmp_path_factory.mktemp("faults"), kv_cache_bytes=256 << 20) as s:
+    # every stream may speculate (--spec-max-batch above the 32 streams): each fault also hits requests with drafts
+    # in flight, and the undisturbed reference is what they produce
+    with supervised_stack(tmp_path_factory.mktemp("faults"), kv_cache_bytes=256 << 20, speculative="ngram",
+                          spec_max_batch=64) as s:
         yield s
 
 
@@ -113,6 +116,7 @@ def run_load(endpoint: str, tag: str, fault=None, resume_at: str | None = None, 
 def reference(stack) -> list[Received]:
     results = run_load(stack.endpoint, "undisturbed")
     assert all(r.error is None and r.finish_reason for r in results)
+    assert _counter(stack, "scheduler", "conveyor_spec_accepted_tokens_total") > 0  # the streams did speculate
     return results
 
 
