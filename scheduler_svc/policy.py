@@ -496,10 +496,7 @@ class Scheduler:
                     output.logprobs.append(logprobs)
                 reason = request.finish_check(self.max_model_len)
                 if reason is not None:  # what followed the stop is dropped
-                    request.status = Status.FINISHED
-                    request.finish_reason = reason
-                    self._drop(request)
-                    self.counters.finished += 1
+                    self._finish(request, reason)
                     output.finish_reason = reason
                     break
             outputs.append(output)
