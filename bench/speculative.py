@@ -3,8 +3,8 @@
     python bench/speculative.py                                  # 20 prompts per kind, 1, 4 and 32 streams
     python bench/speculative.py --prompts-per-kind 8 --streams 1 4 --numerics exact
 
-Five kinds of prompt, ``--prompts-per-kind`` of each, made here from fixed word lists (so every run asks the
-same): repeat a passage, summarize one, edit a piece of code, extract JSON from a sentence, and free chat.
+Five kinds of prompt, ``--prompts-per-kind`` of each (``conveyor.bench.speculation_prompts``: fixed word lists,
+so every run asks the same): repeat a passage, summarize one, edit a piece of code, extract JSON from a sentence, and free chat.
 Two stacks run side by side, ``--speculative off`` and ``ngram``; for each number of streams, every kind runs
 alone on one stack and then the other (which goes first alternates, so the machine's drift hits both alike):
 its prompts ``streams`` at a time, greedy, ``--max-tokens`` each (eos ends a request early, as users see it). The table gives output tokens/s, the median over requests of
@@ -16,7 +16,6 @@ ratio column is on / off in the same run; read ratios, not absolute figures.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -25,50 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from conveyor.bench import speculation_prompts  # noqa: E402
 from conveyor.client import Client  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 from conveyor.metrics import scrape, value  # noqa: E402
-
-NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jun", "Kofi", "Lena"]
-CITIES = ["Lisbon", "Osaka", "Lagos", "Quito", "Oslo", "Hanoi", "Tunis", "Perth", "Lyon", "Cusco"]
-TOPICS = ["volcanoes", "the history of tea", "how bicycles stay upright", "octopuses", "the moon landing",
-          "jazz", "bread baking", "glaciers", "chess openings", "honeybees", "the printing press", "comets"]
-SENTENCES = [
-    "The river rose after three days of rain, and the village moved its market to the hill.",
-    "A small bakery on the corner sells rye bread every morning before the sun comes up.",
-    "The committee voted to repair the old bridge instead of building a new one downstream.",
-    "Every winter the lake freezes thick enough for the children to skate across it.",
-    "The library extended its opening hours so that students could study late in the evening.",
-    "Two engineers rebuilt the clock tower's gears by hand over the course of a summer.",
-    "The orchard lost half its apples to an early frost, but the pears survived.",
-    "A new train line now links the harbour with the airport in under twenty minutes.",
-]
-
-
-def passage(rng: random.Random, sentences: int) -> str:
-    return " ".join(rng.sample(SENTENCES, sentences))
-
-
-def code(rng: random.Random) -> str:
-    name, a, b = rng.choice(["add", "scale", "blend", "shift"]), rng.randint(2, 9), rng.randint(2, 9)
-    return (f"def {name}(values):\n    x = 0\n    for v in values:\n        x = x + v * {a}\n"
-            f"    if x > {b * 10}:\n        x = x - {b}\n    return x\n")
-
-
-def prompts(per_kind: int, seed: int = 0) -> dict[str, list[str]]:
-    rng = random.Random(seed)
-    return {
-        "repeat": [f"Repeat this text exactly, word for word:\n\n{passage(rng, 2)}" for _ in range(per_kind)],
-        "summarize": [f"Summarize this in two sentences:\n\n{passage(rng, 5)}" for _ in range(per_kind)],
-        "code edit": [f"Rename the variable x to total in this function and show the whole function:\n\n{code(rng)}"
-                      for _ in range(per_kind)],
-        "json": [f"Extract the person's name, age and city as JSON with keys name, age and city: "
-                 f"{rng.choice(NAMES)} is {rng.randint(18, 90)} years old and lives in {rng.choice(CITIES)}."
-                 for _ in range(per_kind)],
-        "free chat": [f"Tell me something interesting about {rng.choice(TOPICS)}." for _ in range(per_kind)],
-    }
-
 
 def counters(address: str) -> dict[str, float]:
     """The scheduler's speculation counters."""
@@ -141,7 +101,7 @@ def main() -> None:
     parser.add_argument("--spec-max-batch", type=int, default=8)
     parser.add_argument("--kv-cache-bytes", type=parse_size, default=parse_size("512M"))
     args = parser.parse_args()
-    kinds = prompts(args.prompts_per_kind)
+    kinds = speculation_prompts(args.prompts_per_kind)
     stacks = {}
     try:
         for setting in ("off", "ngram"):

@@ -189,6 +189,49 @@ class OpenAIBackend:
             conn.close()
 
 
+_NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jun", "Kofi", "Lena"]
+_CITIES = ["Lisbon", "Osaka", "Lagos", "Quito", "Oslo", "Hanoi", "Tunis", "Perth", "Lyon", "Cusco"]
+_TOPICS = ["volcanoes", "the history of tea", "how bicycles stay upright", "octopuses", "the moon landing",
+           "jazz", "bread baking", "glaciers", "chess openings", "honeybees", "the printing press", "comets"]
+_SENTENCES = [
+    "The river rose after three days of rain, and the village moved its market to the hill.",
+    "A small bakery on the corner sells rye bread every morning before the sun comes up.",
+    "The committee voted to repair the old bridge instead of building a new one downstream.",
+    "Every winter the lake freezes thick enough for the children to skate across it.",
+    "The library extended its opening hours so that students could study late in the evening.",
+    "Two engineers rebuilt the clock tower's gears by hand over the course of a summer.",
+    "The orchard lost half its apples to an early frost, but the pears survived.",
+    "A new train line now links the harbour with the airport in under twenty minutes.",
+]
+
+
+def _passage(rng: random.Random, sentences: int) -> str:
+    return " ".join(rng.sample(_SENTENCES, sentences))
+
+
+def _code(rng: random.Random) -> str:
+    name, a, b = rng.choice(["add", "scale", "blend", "shift"]), rng.randint(2, 9), rng.randint(2, 9)
+    return (f"def {name}(values):\n    x = 0\n    for v in values:\n        x = x + v * {a}\n"
+            f"    if x > {b * 10}:\n        x = x - {b}\n    return x\n")
+
+
+def speculation_prompts(per_kind: int, seed: int = 0) -> dict[str, list[str]]:
+    """Speculation's workload (``bench/speculative.py``, ``tests/test_speculative.py``): ``per_kind`` prompts of each
+    kind, from output that repeats its input most to least: repeat a passage, summarize one, edit a piece of code,
+    extract JSON from a sentence, free chat. The same ones for the same ``seed``."""
+    rng = random.Random(seed)
+    return {
+        "repeat": [f"Repeat this text exactly, word for word:\n\n{_passage(rng, 2)}" for _ in range(per_kind)],
+        "summarize": [f"Summarize this in two sentences:\n\n{_passage(rng, 5)}" for _ in range(per_kind)],
+        "code edit": [f"Rename the variable x to total in this function and show the whole function:\n\n{_code(rng)}"
+                      for _ in range(per_kind)],
+        "json": [f"Extract the person's name, age and city as JSON with keys name, age and city: "
+                 f"{rng.choice(_NAMES)} is {rng.randint(18, 90)} years old and lives in {rng.choice(_CITIES)}."
+                 for _ in range(per_kind)],
+        "free chat": [f"Tell me something interesting about {rng.choice(_TOPICS)}." for _ in range(per_kind)],
+    }
+
+
 def make_prompts(client, count: int, tokens: int, seed: int) -> list[str]:
     """``count`` prompts of exactly ``tokens`` tokens: random words that are one token each."""
     rng = random.Random(seed)

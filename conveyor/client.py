@@ -13,9 +13,9 @@ Options (keyword arguments of ``generate``, ``stream`` and ``chat``): ``temperat
 (score the prompt: each token's logprob after the first, with this many alternatives), ``max_tokens``,
 ``min_tokens``, ``stop`` (strings), ``stop_token_ids``, ``ignore_eos``,
 ``include_stop_str_in_output``, ``request_id``, ``priority``, ``cache_salt`` (vLLM's: only requests with the
-same salt share cached prefixes), ``structured`` (constrain the output:
-``{"json_schema": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``, ``{"lark": ...}``, ``{"gbnf": ...}`` or
-``{"json_object": True}``), ``timeout`` (seconds, the call's deadline) and, for chat,
+same salt share cached prefixes), ``speculative`` (False: no speculative decoding for this request),
+``structured`` (constrain the output: ``{"json_schema": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+``{"lark": ...}``, ``{"gbnf": ...}`` or ``{"json_object": True}``), ``timeout`` (seconds, the call's deadline) and, for chat,
 ``add_generation_prompt``. Server errors are raised as the ``conveyor.errors`` class of
 their status code (``InvalidArgument``, ``ResourceExhausted``, ``DeadlineExceeded``, ...).
 
@@ -104,7 +104,7 @@ def _chat_messages(messages: list[dict]) -> list[conveyor_pb2.ChatMessage]:
 def build_request(prompt: str | None = None, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                   request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
                   add_generation_prompt: bool | None = None, structured: dict | None = None,
-                  **options) -> conveyor_pb2.GenerateRequest:
+                  speculative: bool | None = None, **options) -> conveyor_pb2.GenerateRequest:
     """The ``GenerateRequest`` for a prompt, chat ``messages`` or token ids, and the options above (the fields
     of ``conveyor.params.SamplingParams`` and ``StopParams``, by name; None leaves one unset). ``structured``:
     one kind of the proto's ``Structured`` (``{"json_schema": {...}}`` (a dict or JSON text), ``{"regex": ...}``,
@@ -119,7 +119,7 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     if groups["sampling"].get("logit_bias"):
         groups["sampling"]["logit_bias"] = {int(k): float(v) for k, v in groups["sampling"]["logit_bias"].items()}
     request = conveyor_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, priority=priority,
-                                           cache_salt=cache_salt)
+                                           cache_salt=cache_salt, speculative=speculative)
     if prompt is not None:
         request.prompt = prompt
     if prompt_ids is not None:

@@ -103,8 +103,12 @@ SPECS = [
          "scheduler"),
     Spec("conveyor_spec_accepted_tokens_total", Counter, "Speculation: drafted tokens the model confirmed (each "
          "emitted without a step of its own).", "scheduler"),
+    Spec("conveyor_spec_verify_steps_total", Counter, "Speculation: decodes that verified drafts (tokens confirmed "
+         "per verify: conveyor_spec_accepted_tokens_total over this).", "scheduler"),
+    Spec("conveyor_spec_verify_cost", Gauge, "Speculation's cost model, measured by the worker at its start-up: the "
+         "time of a decode verifying this many drafts over one verifying none.", "scheduler", ("drafts",)),
     Spec("conveyor_spec_skipped_total", Counter, "Speculation: decodes that did not draft, by why: batch (more "
-         "running than --spec-max-batch), paused (the request's drafts kept being refused), blocks (no free block "
+         "running than --spec-max-batch), paused (the request's drafts confirmed too few to pay for their rows), blocks (no free block "
          "for the drafts' room).", "scheduler", ("reason",), known=("batch", "paused", "blocks")),
     Spec("conveyor_worker_up", Gauge, "1 while the worker answers steps, 0 while it is unreachable.", "scheduler"),
     Spec("conveyor_redis_rtt_seconds", Gauge, "Round-trip time of the last Redis ping.", "scheduler"),

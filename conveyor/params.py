@@ -274,6 +274,7 @@ class RequestParams:
     # cache_salt's (vLLM's); "" shares the cache with every request of the same scope ""
     cache_scope: str = ""
     structured: Structured | None = None  # the output's constraint (structured output); None: free text
+    speculative: bool = True  # may draft tokens when its engine speculates (False: the request opted out)
 
     @classmethod
     def of(cls, **values) -> RequestParams:

@@ -136,6 +136,7 @@ class StepMetrics:
         m.aborts.inc(c.aborts - done.aborts)
         m.spec_draft_tokens.inc(c.drafted - done.drafted)
         m.spec_accepted_tokens.inc(c.accepted - done.accepted)
+        m.spec_verify_steps.inc(c.verifies - done.verifies)
         for reason, count in c.spec_skipped.items():
             m.spec_skipped.labels(reason).inc(count - done.spec_skipped[reason])
         self._counted = c

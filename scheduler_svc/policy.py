@@ -33,10 +33,13 @@ token plain decoding would have produced. They go through the stop checks one by
 is dropped), and the confirmed drafts' KV counts as computed once the answer is back. Until then a
 request's blocks must reach as far as its drafts in flight could take it (``drafts_in_flight``); the room
 for new drafts is only taken when free blocks allow it without preempting anyone. A step with more
-running requests than ``spec_max_batch`` does not draft (a verify row then costs more than it saves), and a
-request whose share of drafts confirmed falls below ``SPEC_MIN_RATE`` (output that does not repeat its context:
-on a compute-bound step each drafted row costs about what a decode row does, so drafts must mostly be right)
-pauses drafting for a while, twice as long each time it falls below again.
+running requests than ``spec_max_batch`` does not draft (a verify row then costs more than it saves), nor
+does a request that opted out (``RequestParams.speculative``). Otherwise a decode drafts as many tokens as pay
+for their rows: with ``rate`` the chance the request's next draft is confirmed (given the ones before it
+were; a moving estimate over its verify steps), ``d`` drafts yield ``1 + rate + ... + rate**d`` tokens for
+``verify_cost[d]`` times a plain decode's time (the worker measures that table at start-up), and the ``d``
+with the most tokens per unit of time wins. When no ``d`` beats plain decoding (output that does not repeat
+its context) the request pauses drafting for a while, twice as long each time, and then tries again.
 """
 
 from __future__ import annotations
@@ -117,9 +120,29 @@ class Answer:
     drafted: dict[str, int] = field(default_factory=dict)
 
 
-SPEC_MIN_RATE = 0.4  # a request's drafts confirmed (a moving average over its verify steps) below which it pauses
 SPEC_PAUSE = (4, 64)  # decodes a request then goes without drafting: the first pause, the longest (doubling)
 SPEC_SKIPS = ("batch", "paused", "blocks")  # why a decode that could draft did not (Counters.spec_skipped)
+# speculation's cost model when the worker measured none (a cache too small to): each drafted row costs half
+# a decode, between a compute-bound CPU step (nearly a decode) and a memory-bound GPU one (nearly nothing)
+DEFAULT_VERIFY_COST = (1.0, 1.5)
+
+
+def extend_cost(cost: list[float], drafts: int) -> list[float]:
+    """``cost`` (a verify cost table, ``cost[0] == 1``) to at least ``drafts + 1`` entries, along its last slope."""
+    step = cost[-1] - cost[-2] if len(cost) > 1 else 1.0
+    return cost + [cost[-1] + step * i for i in range(1, drafts + 2 - len(cost))]
+
+
+def best_drafts(rate: float, cost: list[float], most: int) -> int:
+    """The drafts (at most ``most``) that give the most tokens per unit of step time, when each is confirmed
+    with chance ``rate`` given the ones before it were: ``d`` drafts yield ``1 + rate + ... + rate**d`` tokens for
+    ``cost[d]`` times a plain decode's time. 0 when none beats plain decoding."""
+    best, best_gain, expected = 0, 1.0, 1.0
+    for d in range(1, most + 1):
+        expected += rate**d
+        if expected / cost[d] > best_gain:
+            best, best_gain = d, expected / cost[d]
+    return best
 
 
 @dataclass
@@ -129,6 +152,7 @@ class Counters:
     aborts: int = 0
     finished: int = 0
     drafted: int = 0  # tokens drafted for verification (speculation)
+    verifies: int = 0  # decodes that verified drafts
     accepted: int = 0  # of them, confirmed by the model and emitted
     spec_skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPEC_SKIPS, 0))  # decodes, by why
 
@@ -138,10 +162,14 @@ class Counters:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_waiting: int, max_step_failures: int = 3, spec_tokens: int = 0, spec_max_batch: int = 8):
+                 max_waiting: int, max_step_failures: int = 3, spec_tokens: int = 0, spec_max_batch: int = 8,
+                 verify_cost: list[float] | None = None):
         self.max_step_failures = max_step_failures
         self.spec_tokens = spec_tokens  # drafts a decode may verify (0: no speculation)
         self.spec_max_batch = spec_max_batch  # no drafting in a step with more running requests
+        # verify_cost[d]: a decode verifying d drafts over one verifying none (the worker's Info), extended to
+        # spec_tokens along its last slope
+        self.verify_cost = extend_cost(list(verify_cost or DEFAULT_VERIFY_COST), spec_tokens)
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -389,12 +417,13 @@ class Scheduler:
         return self._chunk(request, n, registers=True)
 
     def _drafts(self, request: Request, n: int, registers: bool) -> int:
-        """Tokens a decode of ``request`` may draft this step: none for a prompt chunk or a constrained request,
-        nor in a step with more than ``spec_max_batch`` running, nor while the request pauses drafting; else
-        ``spec_tokens`` times its share of drafts confirmed (at least one), never past its max_tokens or the max
-        model length."""
+        """Tokens a decode of ``request`` may draft this step: none for a prompt chunk, a constrained request or
+        one that opted out, nor in a step with more than ``spec_max_batch`` running, nor while the request pauses
+        drafting; else as many as pay for their rows at its acceptance rate (``best_drafts``), never past its
+        max_tokens or the max model length."""
         decode = n == 1 and request.num_pending <= 1 and not registers
-        if not (self.spec_tokens and decode and request.params.structured is None):
+        params = request.params
+        if not (self.spec_tokens and decode and params.structured is None and params.speculative):
             return 0
         if len(self.running) > self.spec_max_batch:
             self.counters.spec_skipped["batch"] += 1
@@ -404,27 +433,24 @@ class Scheduler:
             self.counters.spec_skipped["paused"] += 1
             return 0
         ahead = request.samples_in_flight + request.drafts_in_flight + 1  # the most tokens in flight, and this one
-        left = min(request.params.stop.max_tokens - len(request.output_ids),
-                   self.max_model_len - request.num_tokens) - ahead
-        # as many as its drafts tend to be confirmed: a request guessing badly verifies fewer rows
-        likely = max(1, round(self.spec_tokens * request.spec_rate))
-        return max(0, min(likely, left))
+        left = min(params.stop.max_tokens - len(request.output_ids), self.max_model_len - request.num_tokens) - ahead
+        return best_drafts(request.spec_rate, self.verify_cost, min(self.spec_tokens, left))
 
-    @staticmethod
-    def _judge_drafts(request: Request, drafted: int, confirmed: int) -> None:
-        """After a verify step: the request's share of drafts confirmed, averaged (each step half of it). Below
-        ``SPEC_MIN_RATE`` it pauses drafting, twice as long as last time; it comes back on probation (one more
-        step as bad pauses it again)."""
+    def _judge_drafts(self, request: Request, drafted: int, confirmed: int) -> None:
+        """After a verify step: the request's acceptance rate takes it in (``Request.judge``). When no number of
+        drafts pays at that rate, it pauses drafting, twice as long as last time, and comes back with its rate
+        forgotten (on probation: one more step as bad pauses it again); a step that confirmed every draft makes
+        the next pause start short again."""
         if not drafted:
             return
-        request.spec_rate = (request.spec_rate + confirmed / drafted) / 2
-        if request.spec_rate >= SPEC_MIN_RATE:
-            if request.spec_rate >= 2 * SPEC_MIN_RATE:
-                request.spec_next_pause = SPEC_PAUSE[0]  # doing well again: the next pause starts short
+        request.judge(drafted, confirmed)
+        if confirmed == drafted:
+            request.spec_next_pause = SPEC_PAUSE[0]
+        if best_drafts(request.spec_rate, self.verify_cost, self.spec_tokens):
             return
         request.spec_pause = request.spec_next_pause or SPEC_PAUSE[0]
         request.spec_next_pause = min(2 * request.spec_pause, SPEC_PAUSE[1])
-        request.spec_rate = 2 * SPEC_MIN_RATE
+        request.forget_rate()
 
     def _chunk(self, request: Request, n: int, registers: bool = False) -> Chunk:
         start = request.num_computed
@@ -481,6 +507,7 @@ class Scheduler:
             confirmed = (accepted or {}).get(request.request_id, [])
             tried = (drafted or {}).get(request.request_id, 0)
             self.counters.drafted += tried
+            self.counters.verifies += tried > 0
             self.counters.accepted += len(confirmed)
             self._judge_drafts(request, tried, len(confirmed))
             request.num_computed += len(confirmed)  # the worker computed their KV, verifying them

@@ -28,7 +28,10 @@ class Request:
     num_computed: int = 0  # tokens of prompt + output scheduled (sent to the worker to compute)
     samples_in_flight: int = 0  # sampling chunks sent whose token has not come back yet
     drafts_in_flight: int = 0  # speculation: tokens those chunks may draft (their confirmed ones extend the KV)
-    spec_rate: float = 1.0  # share of its drafts confirmed, a moving average over its verify steps
+    # speculation's acceptance: drafts confirmed and drafts judged (each confirmed one, and the one refused that
+    # ended a run), each verify step weighing as much as all before it; a prior of one confirmed in one
+    spec_confirmed: float = 1.0
+    spec_judged: float = 1.0
     spec_pause: int = 0  # decodes left without drafting (its drafts kept being refused)
     spec_next_pause: int = 0  # the pause after the next misses (0: the first)
     epoch: int = 0  # +1 at each preemption: results of chunks sent before it are stale
@@ -103,6 +106,20 @@ class Request:
         """Positions this request's blocks must cover to compute ``n`` more tokens: after the ones scheduled,
         and after every draft in flight (the worker places a decode_last after the confirmed ones)."""
         return self.num_computed + n + self.drafts_in_flight
+
+    @property
+    def spec_rate(self) -> float:
+        """The chance its next draft is confirmed, given the drafts before it in the step were."""
+        return self.spec_confirmed / self.spec_judged
+
+    def judge(self, drafted: int, confirmed: int) -> None:
+        """A verify step's outcome into the acceptance rate: ``confirmed`` of ``drafted`` drafts, the first
+        refused one (if any) ending the run."""
+        self.spec_confirmed = self.spec_confirmed / 2 + confirmed
+        self.spec_judged = self.spec_judged / 2 + confirmed + (confirmed < drafted)
+
+    def forget_rate(self) -> None:
+        self.spec_confirmed = self.spec_judged = 1.0
 
     def may_extend(self, max_model_len: int) -> bool:
         """Whether one more token can follow the ones in flight (else a decode_last would be wasted, or, after

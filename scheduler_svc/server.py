@@ -276,7 +276,9 @@ def build_engine(cfg: SchedulerConfig, metrics: Metrics, lease: Lease | None = N
     blocks = BlockManager(info.num_blocks, info.block_size, cfg.prefix_cache, root_key(info.model_name))
     scheduler = Scheduler(blocks, max_len, batched, seqs, cfg.max_waiting, cfg.max_step_failures,
                           spec_tokens=cfg.spec_tokens if cfg.speculative == "ngram" else 0,
-                          spec_max_batch=cfg.spec_max_batch)
+                          spec_max_batch=cfg.spec_max_batch, verify_cost=list(info.verify_cost))
+    for drafts, cost in enumerate(scheduler.verify_cost[1 : cfg.spec_tokens + 1], 1):
+        metrics.spec_verify_cost.labels(str(drafts)).set(cost)
     store = RequestStore.from_url(cfg.redis_url, cfg.redis_prefix, cfg.finished_ttl)
     detokenizer = detokenizer_pb2_grpc.DetokenizerStub(
         grpc_util.internal_channel(cfg.detokenizer)

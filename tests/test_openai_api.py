@@ -141,6 +141,7 @@ def test_async_client(base, model):
     ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ({"prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens"),
     ({"prompt": PROMPT, "n": 0}, 400, "n"),
+    ({"prompt": PROMPT, "speculative": "no"}, 400, "speculative"),
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model"),
 ])

@@ -21,7 +21,7 @@ SET = RequestParams(  # floats a float32 proto field holds exactly
                    frequency_penalty=-0.5, logit_bias={3: 1.5, 9: -2.0}, seed=2**64 - 1, logprobs=0, prompt_logprobs=2),
     StopParams(max_tokens=17, min_tokens=2, stop=("a", "bc"), stop_token_ids=(4, 5), ignore_eos=True,
                include_stop_str_in_output=True),
-    priority=-3, cache_scope="key:x")
+    priority=-3, cache_scope="key:x", speculative=False)
 
 
 def test_every_field_of_each_group_has_its_proto_field_of_the_same_name():
@@ -57,7 +57,7 @@ def test_the_sdk_fills_every_option_by_name():
 
 def test_redis_json_round_trips_and_a_flat_record_from_before_the_groups_still_reads():
     assert RequestParams.from_json(SET.to_json()) == SET
-    flat = {**asdict(SET.sampling), **asdict(SET.stop), "priority": -3, "cache_scope": "key:x"}
+    flat = {**asdict(SET.sampling), **asdict(SET.stop), "priority": -3, "cache_scope": "key:x", "speculative": False}
     assert RequestParams.from_json(json.dumps(flat)) == SET
     newer = json.loads(SET.to_json())
     newer["sampling"]["a_future_field"] = 1

@@ -4,18 +4,21 @@ and the tokens emitted exactly those of plain decoding (greedy and seeded, under
 from __future__ import annotations
 
 import random
+import re
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import KV_BLOCK_BYTES, TinyScheduler, make_runner, scrape, start_stack, value
 
+from conveyor.bench import speculation_prompts
 from conveyor.client import Client
 from conveyor.params import RequestParams, SamplingParams
 from conveyor.state import RequestStore
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.policy import Scheduler
+from scheduler_svc.policy import Scheduler, best_drafts, extend_cost
 from scheduler_svc.request import Request
+from worker_svc.runner import SeqChunk, StepInput
 from worker_svc.speculative import NgramIndex
 
 MAX_TOKENS = 32
@@ -86,6 +89,22 @@ def test_drafts_stop_at_the_blocks_the_sequence_holds(default_model, prompts):
     assert 0 < max(drafted) <= 3
 
 
+def test_the_verify_cost_is_measured_on_scratch_and_leaves_nothing_behind(default_model, prompts):
+    """The start-up measurement: a decode verifying none costs 1, more drafts never less, as many entries as asked;
+    the scratch sequence is forgotten (the runner then decodes as a fresh one); it refuses to run over sequences
+    it would overwrite, and a cache too small to measure in gives no table."""
+    runner = make_runner(default_model, num_blocks=16)
+    cost = runner.verify_cost(4)
+    assert len(cost) == 5 and cost[0] == 1.0 and cost == sorted(cost) and cost[-1] < 10
+    assert not runner.seqs
+    assert TinyScheduler(runner).run(prompts[:1], 8)[0] == TinyScheduler(make_runner(default_model)).run(prompts[:1], 8)[0]
+    runner.step(StepInput([SeqChunk("held", prompts[0], 0, new_block_ids=list(range(8)), sampling=SamplingParams(),
+                                    num_prompt_tokens=len(prompts[0]))]))
+    with pytest.raises(RuntimeError, match="free cache"):
+        runner.verify_cost(4)
+    assert make_runner(default_model, num_blocks=2).verify_cost(4) == []
+
+
 # ---------------------------------------------------------------- the scheduler's side (plain Python)
 
 EOS = 2
@@ -96,8 +115,9 @@ def _request(rid: str, prompt_len: int, max_tokens: int = 100, **params):
     return Request(rid, list(range(10, 10 + prompt_len)), p, p.stop.stop_ids((EOS,)), arrival=0.0)
 
 
-def _scheduler(num_blocks=64, block_size=4, max_len=1000, spec_tokens=4, seqs=8):
-    return Scheduler(BlockManager(num_blocks, block_size, False), max_len, 64, seqs, 2000, spec_tokens=spec_tokens)
+def _scheduler(num_blocks=64, block_size=4, max_len=1000, spec_tokens=4, seqs=8, verify_cost=None):
+    return Scheduler(BlockManager(num_blocks, block_size, False), max_len, 64, seqs, 2000, spec_tokens=spec_tokens,
+                     verify_cost=verify_cost)
 
 
 def _answer(s, plan, tokens: list[int]):
@@ -213,16 +233,14 @@ def test_block_accounting_under_random_acceptance_aborts_and_preemptions():
 # ---------------------------------------------------------------- served: the real stack, speculating
 
 SERVED_TOKENS = 40
-ASKS = [f"Repeat this text exactly: {PASSAGE}", f"Here is a sentence: {PASSAGE} Write it again, word for word.",
-        "Copy this list: apples, pears, plums, figs, apples, pears, plums, figs.", "What is the capital of France?"]
-SEEDED = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "seed": 11}
+ASK = f"Repeat this text exactly: {PASSAGE}"
 
 
 @pytest.fixture(scope="module")
 def spec_stack(tmp_path_factory):
-    # 12 blocks of 16 tokens: four streams of up to ~110 tokens cannot all hold theirs, so requests are preempted and
+    # 32 blocks of 16 tokens: 16 streams of ~60-150 tokens cannot all hold theirs, so requests are preempted and
     # recomputed mid-run (the prefix cache is on, as by default)
-    s = start_stack(tmp_path_factory.mktemp("speculative"), kv_cache_bytes=12 * KV_BLOCK_BYTES, speculative="ngram",
+    s = start_stack(tmp_path_factory.mktemp("speculative"), kv_cache_bytes=32 * KV_BLOCK_BYTES, speculative="ngram",
                     spec_max_batch=8)
     yield s
     s.stop()
@@ -234,59 +252,79 @@ def spec_client(spec_stack):
         yield c
 
 
-@pytest.fixture(scope="module")
-def served_reference(default_model):
-    """Plain decoding of each ask by the worker's runner alone (greedy, and seeded), cut after the first eos as
-    the server cuts it."""
-    tok = default_model.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}]), add_special_tokens=False)
-               for a in ASKS]
-    seeded = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=11)
-    eos = set(tok.eos_token_ids)
-    out = {}
-    for name, params in (("greedy", None), ("seeded", [seeded] * len(prompts))):
-        tokens, _ = TinyScheduler(make_runner(default_model)).run(prompts, SERVED_TOKENS, params, together=False)
-        out[name] = [t[: next((i + 1 for i, x in enumerate(t) if x in eos), len(t))] for t in tokens]
-    return out
+MIXED = [p for group in zip(*speculation_prompts(7).values()) for p in group][:32]  # the five kinds in turn
+MIXED_TOKENS = 16
+N_SEEDED = 5  # of them asked seeded, with n=4 (one of each kind)
 
 
-def _chat_all(client, options: dict, ids: list[str] | None = None):
-    ids = ids or [""] * len(ASKS)
-    with ThreadPoolExecutor(len(ASKS)) as pool:
-        return list(pool.map(lambda a: client.chat([{"role": "user", "content": a[0]}], request_id=a[1],
-                                                   max_tokens=SERVED_TOKENS, **options), zip(ASKS, ids)))
+def _drafted(stack) -> float:
+    return value(scrape(stack.child("scheduler").metrics), "conveyor_spec_draft_tokens_total")
 
 
-def test_served_speculation_gives_plain_decodings_tokens(spec_stack, spec_client, served_reference):
-    """Four streams at once through the whole stack with --speculative ngram (two steps in flight, decode_last
-    after confirmed drafts, preemptions in a cache too small for all four, the prefix cache on): greedy and
-    seeded output is the worker's plain decoding token for token, Redis holds exactly the tokens emitted, and
-    the scheduler counted drafts the model confirmed."""
+def test_speculation_on_and_off_give_the_same_tokens_for_mixed_prompts(spec_stack, spec_client):
+    """32 prompts of the five kinds (``conveyor.bench.speculation_prompts``), each with speculation and with the
+    request's opt-out, 16 streams at once in a cache too small for them all (preemptions; two steps in flight,
+    decode_last after confirmed drafts), the prefix cache on: greedy through the SDK, the opted-out ones drafting
+    nothing, Redis holding exactly the tokens emitted; then 8 of them seeded T=0.8 with n=4 through the openai
+    SDK, both kinds of request at once. Every choice has the same tokens (and logprobs) either way, and drafts
+    were confirmed."""
+    import openai
+
     store = RequestStore.from_url(spec_stack.redis_url)
-    for name, options in (("greedy", {"temperature": 0.0}), ("seeded", SEEDED)):
-        ids = [f"{name}-{i}" for i in range(len(ASKS))]
-        results = _chat_all(spec_client, options, ids)
-        for i, result in enumerate(results):
-            assert result.token_ids == served_reference[name][i], f"{name} {ASKS[i]!r}"
-            assert store.find(ids[i]).output_ids == result.token_ids
+
+    def greedy(speculative: bool) -> list[list[int]]:
+        def ask(job):
+            i, text = job
+            rid = f"greedy-{speculative}-{i}"
+            tokens = spec_client.chat([{"role": "user", "content": text}], temperature=0.0, max_tokens=MIXED_TOKENS,
+                                      speculative=speculative, request_id=rid).token_ids
+            assert store.find(rid).output_ids == tokens  # Redis holds exactly what was emitted
+            return tokens
+
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(ask, enumerate(MIXED)))
+
+    before = _drafted(spec_stack)
+    off = greedy(False)
+    assert _drafted(spec_stack) == before  # the opt-out drafted nothing
+    assert greedy(True) == off
+    assert _drafted(spec_stack) > before
+
+    http = openai.OpenAI(base_url=spec_stack.http_endpoint + "/v1", api_key="none", max_retries=0, timeout=300)
+    model = http.models.list().data[0].id
+
+    def seeded(job: tuple[str, bool]) -> list[list[tuple[str, float]]]:
+        ask, speculative = job
+        reply = http.chat.completions.create(model=model, messages=[{"role": "user", "content": ask}], n=4,
+                                             temperature=0.8, seed=11, max_tokens=MIXED_TOKENS, logprobs=True,
+                                             extra_body={"speculative": speculative})
+        return [[(t.token, t.logprob) for t in c.logprobs.content] for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    accepted = value(scrape(spec_stack.child("scheduler").metrics), "conveyor_spec_accepted_tokens_total")
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(seeded, [(ask, flag) for ask in MIXED[:N_SEEDED] for flag in (True, False)]))
+    for i, ask in enumerate(MIXED[:N_SEEDED]):
+        on, off = answers[2 * i], answers[2 * i + 1]
+        assert on == off, ask
+        assert len({tuple(c) for c in on}) > 1  # n=4 seeded choices differ
     samples = scrape(spec_stack.child("scheduler").metrics)
-    accepted = value(samples, "conveyor_spec_accepted_tokens_total")
-    assert 0 < accepted <= value(samples, "conveyor_spec_draft_tokens_total")
+    assert value(samples, "conveyor_spec_accepted_tokens_total") > accepted
     assert value(samples, "conveyor_preemptions_total") > 0
 
 
-def test_served_stops_inside_an_accepted_run(spec_client, served_reference, default_model):
+def test_served_stops_inside_an_accepted_run(spec_client, default_model):
     """max_tokens=7 gives exactly plain decoding's first 7 tokens; a stop string spanning two tokens of a
-    confirmed run ends the text right before it, as without speculation."""
-    want = served_reference["greedy"][0]
-    seven = spec_client.chat([{"role": "user", "content": ASKS[0]}], temperature=0.0, max_tokens=7)
+    confirmed run ends the text right before it, as without speculation (the request's opt-out)."""
+    want = spec_client.chat([{"role": "user", "content": ASK}], temperature=0.0, max_tokens=SERVED_TOKENS,
+                            speculative=False).token_ids
+    seven = spec_client.chat([{"role": "user", "content": ASK}], temperature=0.0, max_tokens=7)
     assert seven.token_ids == want[:7] and seven.finish_reason == "length"
     tok = default_model.tokenizer
     text = tok.decode(want, skip_special_tokens=True)
     cut = len(tok.decode(want[:12], skip_special_tokens=True))  # a token boundary deep in a repeated run
     stop = text[cut - 2 : cut + 2]
     assert text.find(stop) == cut - 2, "the stop string must first occur at the boundary"
-    stopped = spec_client.chat([{"role": "user", "content": ASKS[0]}], temperature=0.0, max_tokens=SERVED_TOKENS,
+    stopped = spec_client.chat([{"role": "user", "content": ASK}], temperature=0.0, max_tokens=SERVED_TOKENS,
                                stop=[stop])
     assert stopped.text == text[: cut - 2] and stopped.finish_reason == "stop"
 
@@ -301,29 +339,53 @@ def _decoding(s, steps: int, tokens: list[int]) -> list[int]:
     return allowed
 
 
-def test_a_request_whose_drafts_keep_being_refused_pauses_drafting():
-    """A request whose share of drafts confirmed (averaged over its verify steps) falls below 40 % decodes 4
-    times without drafting, then drafts again on probation; falling below again, it pauses 8 decodes; drafts
-    confirmed again end the doubling."""
-    s = _scheduler()
-    s.add(_request("r", 3))
+def test_drafts_pay_for_their_rows_at_the_measured_cost():
+    """The number of drafts is the one with the most tokens per unit of step time at the request's acceptance
+    rate: every draft on a device where a verify costs about a decode (a GPU), none where each drafted row costs
+    a decode (a compute-bound step gains nothing even from perfect guesses), and on this CPU's measured table
+    more drafts as they get likelier; beyond the measured table the cost goes on along its last slope."""
+    gpu, compute_bound = [1.0 + 0.01 * d for d in range(5)], [1.0 + d for d in range(5)]
+    cpu = [1.0, 1.0, 1.23, 1.43, 1.63]  # the default model, --numerics fast, 1 + 1 threads (verify_cost)
+    assert best_drafts(0.5, gpu, 4) == 4 and best_drafts(1.0, compute_bound, 4) == 0
+    assert [best_drafts(rate, cpu, 4) for rate in (0.1, 0.5, 0.7, 0.95)] == [1, 1, 2, 4]
+    assert best_drafts(0.95, cpu, 2) == 2  # never more than allowed
+    assert best_drafts(0.0, gpu, 4) == 0  # drafts never confirmed never pay
+    assert extend_cost([1.0, 1.5, 1.75], 4) == [1.0, 1.5, 1.75, 2.0, 2.25] and extend_cost(cpu, 2) == cpu
+
+
+def _pattern(s, steps: int, tokens: list[int]) -> str:
+    """"d": a decode that may draft, ".": one that may not."""
+    return "".join("d" if n else "." for n in _decoding(s, steps, tokens))
+
+
+def test_a_request_whose_drafts_do_not_pay_pauses_drafting():
+    """Where each drafted row costs half a decode, a request whose drafts are all refused decodes 4 times
+    without drafting, then drafts again on probation; refused again, it pauses 8 decodes, then 16; a step that
+    confirms every draft ends the doubling. On a device where verifying is nearly free, confirming one draft of
+    four still pays, and the request never pauses."""
+    s = _scheduler(verify_cost=[1.0, 1.5, 2.0, 2.5, 3.0])
+    s.add(_request("r", 3, max_tokens=1000))
     _answer(s, s.schedule(), [7])  # the prompt
+    refused, confirmed, one = [8], [8, 9, 9, 9, 9], [8, 9]  # the sampled token alone, with every draft, with one
+    assert _pattern(s, 15, refused) == "d" + "." * 4 + "d" + "." * 8 + "d"
+    assert _pattern(s, 18, confirmed) == "." * 16 + "dd"
+    # a few more refused steps before the rate falls low enough, then the first pause again
+    assert re.fullmatch(r"d+\.{4}d", _pattern(s, 8, refused))
+    assert s.counters.spec_skipped["paused"] == 4 + 8 + 16 + 4
+    cheap = _scheduler(verify_cost=[1.0 + 0.01 * d for d in range(5)])
+    cheap.add(_request("r", 3, max_tokens=1000))
+    _answer(cheap, cheap.schedule(), [7])
+    assert _pattern(cheap, 20, one) == "d" * 20 and cheap.counters.spec_skipped["paused"] == 0
+    assert cheap.requests["r"].spec_rate == pytest.approx(0.5, abs=0.01)  # one confirmed, one refused per step
 
-    def pattern(steps: int, tokens: list[int]) -> str:  # "d": a decode that may draft, ".": one that may not
-        return "".join("d" if n else "." for n in _decoding(s, steps, tokens))
 
-    refused, confirmed = [8], [8, 9, 9, 9, 9]  # the sampled token alone, or with every draft confirmed
-    assert pattern(17, refused) == "dd" + "...." + "dd" + "........" + "d"  # 1.0 -> 0.5 -> 0.25: paused
-    assert pattern(2, confirmed) == "dd"
-    assert pattern(8, refused) == "dd" + "...." + "dd"  # back to the first pause
-    assert s.counters.spec_skipped["paused"] == 16
-
-
-def test_a_request_drafts_as_many_as_its_drafts_tend_to_be_confirmed():
-    """4 drafts while every one is confirmed; confirming one per step, the request drafts 2 (a verify of fewer
-    rows), and still drafts: one right draft of two is worth it."""
+def test_a_request_that_opts_out_never_drafts():
+    """speculative=False: the request decodes without drafts while one beside it drafts."""
     s = _scheduler()
-    s.add(_request("r", 3))
-    _answer(s, s.schedule(), [7])
-    assert _decoding(s, 3, [8, 9, 9, 9, 9]) == [4, 4, 4]
-    assert _decoding(s, 4, [8, 9]) == [4, 2, 2, 2]  # shares 1/4, then 1/2: averages 0.63, 0.56, 0.53
+    s.add(_request("on", 3))
+    s.add(_request("off", 3, speculative=False))
+    _answer(s, s.schedule(), [7])  # the prompts
+    for _ in range(4):
+        plan = s.schedule()
+        assert {c.request.request_id: c.max_drafts for c in plan.chunks} == {"on": 4, "off": 0}
+        _answer(s, plan, [8, 9, 9, 9, 9])

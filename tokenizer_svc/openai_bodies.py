@@ -130,7 +130,8 @@ def sampling_input(body: dict, chat: bool) -> GenerateInput:
     }
     return GenerateInput(sampling={k: v for k, v in sampling.items() if v is not None},
                          stop={k: v for k, v in stop.items() if v is not None},
-                         priority=body_field(body, "priority", (int,), 0), cache_salt=body_field(body, "cache_salt", (str,)))
+                         priority=body_field(body, "priority", (int,), 0), cache_salt=body_field(body, "cache_salt", (str,)),
+                         speculative=body_field(body, "speculative", (bool,), True))
 
 
 def _float(body: dict, name: str) -> float | None:

@@ -62,6 +62,7 @@ def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
         request_id=pb.request_id, priority=pb.priority, cache_salt=pb.cache_salt if pb.HasField("cache_salt") else None,
         sampling=given_from_pb(pb.sampling, SamplingParams), stop=given_from_pb(pb.stop, StopParams),
         structured=Structured.from_pb(pb.structured),
+        speculative=pb.speculative if pb.HasField("speculative") else True,
     )
     if inp.structured is not None:
         inp.structured_field = f"structured.{inp.structured.kind}"

@@ -34,6 +34,7 @@ class GenerateInput:
     structured: Structured | None = None  # the output's constraint
     structured_field: str = "structured"  # where the request gave it (an error names it there)
     tools: list[dict] | None = None  # function definitions for a chat template that takes them (tools=)
+    speculative: bool = True  # False: this request opts out of speculative decoding
 
 
 MAX_CACHE_SALT = 256  # characters
@@ -114,4 +115,5 @@ def build_params(inp: GenerateInput, num_prompt_tokens: int, limits: Limits,
     model = {f.name: getattr(defaults, f.name) for f in fields(defaults) if f.name != "source"}
     sampling = params_from(SamplingParams, {**model, **inp.sampling})
     sampling.check(limits)
-    return RequestParams(sampling, stop, priority=inp.priority, cache_scope=scope, structured=inp.structured)
+    return RequestParams(sampling, stop, priority=inp.priority, cache_scope=scope, structured=inp.structured,
+                         speculative=inp.speculative)

@@ -247,6 +247,46 @@ class ModelRunner:
                 drafts[c.seq_id] = guess
         return drafts
 
+    @torch.inference_mode()
+    def verify_cost(self, max_drafts: int = 8, context: int = 64, repeat: int = 2) -> list[float]:
+        """Speculation's cost model on this device: element d is the time of a lone decode verifying d drafts
+        over that of one verifying none, for d in [0, ``max_drafts``]. Timed at 0, 1, 2, 4, 8, ... drafts (the
+        best of ``repeat`` after a warm-up) and interpolated between; each try runs the step's own forward,
+        thread count and sampling on a scratch sequence of ``context`` tokens in the cache's first blocks, which
+        is then forgotten: call it before serving, while no sequence holds blocks. [] when the cache or the
+        max model length is too small to measure in."""
+        if self.seqs:
+            raise RuntimeError(f"verify_cost needs a free cache ({len(self.seqs)} sequences are held)")
+        needed = -(-(context + max_drafts + 1) // self.cache.block_size)
+        if needed > self.cache.num_blocks or context + max_drafts + 1 > self.max_model_len:
+            return []
+        seq_id, ids = "\0measure", [t % self.vocab_size for t in range(100, 101 + context + max_drafts)]
+        greedy = SamplingParams(temperature=0.0)
+        self.step(StepInput([SeqChunk(seq_id, ids[:context], 0, new_block_ids=list(range(needed)), sampling=greedy,
+                                      num_prompt_tokens=context)]))
+        timed = sorted({0, max_drafts, *(2**i // 2 for i in range(max_drafts.bit_length()))})  # 0, 1, 2, 4, ...
+        seconds = {}
+        try:
+            for d in timed:
+                chunk = SeqChunk(seq_id, ids[context : context + d + 1], context, sample=True)
+                staged = {seq_id: self._staged_state(chunk)}  # never committed: each try computes the same rows
+                self._set_threads(1 + d)
+                best = float("inf")
+                for _ in range(repeat + 1):
+                    start = time.perf_counter()
+                    self._forward_and_sample([chunk], staged, {seq_id: chunk.token_ids[1:]} if d else {})
+                    best = min(best, time.perf_counter() - start)
+                seconds[d] = best
+        finally:
+            self.seqs.pop(seq_id, None)
+        cost = []
+        for d in range(max_drafts + 1):
+            low = max(t for t in timed if t <= d)
+            high = min(t for t in timed if t >= d)
+            at = seconds[low] if high == low else seconds[low] + (seconds[high] - seconds[low]) * (d - low) / (high - low)
+            cost.append(max(at / seconds[0], cost[-1] if cost else 1.0))  # never cheaper than fewer drafts
+        return cost
+
     def _set_threads(self, num_tokens: int) -> None:
         """A step of one token runs on fewer CPU threads (``--small-step-threads``). On a machine with
         few cores the other processes of the pipeline run between every two tokens of a lone stream;

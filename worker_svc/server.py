@@ -30,6 +30,7 @@ from worker_svc.runner import InvalidStep, ModelRunner, SeqChunk, StepInput, Ste
 
 log = logging.getLogger("conveyor.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+VERIFY_DRAFTS = 8  # speculation's cost model is measured up to this many drafts (the scheduler extrapolates)
 
 
 # ---------------------------------------------------------------- protobuf <-> dataclasses
@@ -203,6 +204,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     if runner.graphs is not None:
         with torch.inference_mode():
             runner.graphs.capture_all()
+    verify_cost = runner.verify_cost(VERIFY_DRAFTS)
     log.info(
         "loaded %s in %.2fs on %s (%s%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),
@@ -215,8 +217,11 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
         model_name=loaded.name, vocab_size=loaded.config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids,
         max_model_len=loaded.max_model_len, num_blocks=num_blocks, block_size=cfg.block_size,
         dtype=str(dtype).removeprefix("torch."), device=str(device), block_bytes=block_bytes,
-        bos_token_id=loaded.tokenizer.bos_token_id,
+        bos_token_id=loaded.tokenizer.bos_token_id, verify_cost=verify_cost,
     )
+    if verify_cost:
+        log.info("speculation's cost: a decode verifying %s drafts takes %s times one without (measured)",
+                 "/".join(str(d) for d in range(1, len(verify_cost))), "/".join(f"{c:.2f}" for c in verify_cost[1:]))
     return runner, loaded, info
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63onveyor/v1/conveyor.proto\x12\x0b\x63onveyor.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.conveyor.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x9c\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.conveyor.v1.SamplingOptions.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xaa\x01\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x42\r\n\x0b_max_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd3\x01\n\nStructured\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.conveyor.v1.ChoicesH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x12\x0e\n\x04gbnf\x18\x06 \x01(\tH\x00\x12\x1f\n\x12whitespace_pattern\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x06\n\x04kindB\x15\n\x13_whitespace_pattern\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd2\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.conveyor.v1.ChatH\x00\x12+\n\nprompt_ids\x18\x06 \x01(\x0b\x32\x15.conveyor.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.conveyor.v1.SamplingOptions\x12)\n\x04stop\x18\x04 \x01(\x0b\x32\x1b.conveyor.v1.StopConditions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x01\x88\x01\x01\x12+\n\nstructured\x18\t \x01(\x0b\x32\x17.conveyor.v1.StructuredB\x07\n\x05inputB\r\n\x0b_cache_salt\"^\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12*\n\x03top\x18\x03 \x03(\x0b\x32\x1d.conveyor.v1.TokenAlternative\"5\n\x10TokenAlternative\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xa9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x19\n\x11\x66irst_token_index\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\"M\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_index\x18\x02 \x01(\r\x12\x13\n\x0btext_offset\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"O\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.conveyor.v1.ChatH\x00\x42\x07\n\x05input\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x13\n\x11ServerInfoRequest\"\xb9\x01\n\x12ServerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x18\n\x10max_stop_strings\x18\x04 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x05 \x01(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x0e\n\x06worker\x18\x07 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf4\x02\n\x08\x43onveyor\x12I\n\x08Generate\x12\x1c.conveyor.v1.GenerateRequest\x1a\x1d.conveyor.v1.GenerateResponse0\x01\x12\x45\n\x06Resume\x12\x1a.conveyor.v1.ResumeRequest\x1a\x1d.conveyor.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.conveyor.v1.AbortRequest\x1a\x1a.conveyor.v1.AbortResponse\x12G\n\x08Tokenize\x12\x1c.conveyor.v1.TokenizeRequest\x1a\x1d.conveyor.v1.TokenizeResponse\x12M\n\nServerInfo\x12\x1e.conveyor.v1.ServerInfoRequest\x1a\x1f.conveyor.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63onveyor/v1/conveyor.proto\x12\x0b\x63onveyor.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.conveyor.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x9c\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.conveyor.v1.SamplingOptions.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xaa\x01\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x42\r\n\x0b_max_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd3\x01\n\nStructured\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.conveyor.v1.ChoicesH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x12\x0e\n\x04gbnf\x18\x06 \x01(\tH\x00\x12\x1f\n\x12whitespace_pattern\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x06\n\x04kindB\x15\n\x13_whitespace_pattern\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfc\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.conveyor.v1.ChatH\x00\x12+\n\nprompt_ids\x18\x06 \x01(\x0b\x32\x15.conveyor.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.conveyor.v1.SamplingOptions\x12)\n\x04stop\x18\x04 \x01(\x0b\x32\x1b.conveyor.v1.StopConditions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x01\x88\x01\x01\x12+\n\nstructured\x18\t \x01(\x0b\x32\x17.conveyor.v1.Structured\x12\x18\n\x0bspeculative\x18\n \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_cache_saltB\x0e\n\x0c_speculative\"^\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12*\n\x03top\x18\x03 \x03(\x0b\x32\x1d.conveyor.v1.TokenAlternative\"5\n\x10TokenAlternative\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xa9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x19\n\x11\x66irst_token_index\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\"M\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_index\x18\x02 \x01(\r\x12\x13\n\x0btext_offset\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"O\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.conveyor.v1.ChatH\x00\x42\x07\n\x05input\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x13\n\x11ServerInfoRequest\"\xb9\x01\n\x12ServerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x18\n\x10max_stop_strings\x18\x04 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x05 \x01(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x0e\n\x06worker\x18\x07 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf4\x02\n\x08\x43onveyor\x12I\n\x08Generate\x12\x1c.conveyor.v1.GenerateRequest\x1a\x1d.conveyor.v1.GenerateResponse0\x01\x12\x45\n\x06Resume\x12\x1a.conveyor.v1.ResumeRequest\x1a\x1d.conveyor.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.conveyor.v1.AbortRequest\x1a\x1a.conveyor.v1.AbortResponse\x12G\n\x08Tokenize\x12\x1c.conveyor.v1.TokenizeRequest\x1a\x1d.conveyor.v1.TokenizeResponse\x12M\n\nServerInfo\x12\x1e.conveyor.v1.ServerInfoRequest\x1a\x1f.conveyor.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2471
-  _globals['_FINISHREASON']._serialized_end=2616
+  _globals['_FINISHREASON']._serialized_start=2513
+  _globals['_FINISHREASON']._serialized_end=2658
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_CHAT']._serialized_start=89
@@ -52,27 +52,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=1161
   _globals['_TOKENIDS']._serialized_end=1184
   _globals['_GENERATEREQUEST']._serialized_start=1187
-  _globals['_GENERATEREQUEST']._serialized_end=1525
-  _globals['_TOKENLOGPROBS']._serialized_start=1527
-  _globals['_TOKENLOGPROBS']._serialized_end=1621
-  _globals['_TOKENALTERNATIVE']._serialized_start=1623
-  _globals['_TOKENALTERNATIVE']._serialized_end=1676
-  _globals['_GENERATERESPONSE']._serialized_start=1679
-  _globals['_GENERATERESPONSE']._serialized_end=1976
-  _globals['_RESUMEREQUEST']._serialized_start=1978
-  _globals['_RESUMEREQUEST']._serialized_end=2055
-  _globals['_ABORTREQUEST']._serialized_start=2057
-  _globals['_ABORTREQUEST']._serialized_end=2091
-  _globals['_ABORTRESPONSE']._serialized_start=2093
-  _globals['_ABORTRESPONSE']._serialized_end=2125
-  _globals['_TOKENIZEREQUEST']._serialized_start=2127
-  _globals['_TOKENIZEREQUEST']._serialized_end=2206
-  _globals['_TOKENIZERESPONSE']._serialized_start=2208
-  _globals['_TOKENIZERESPONSE']._serialized_end=2259
-  _globals['_SERVERINFOREQUEST']._serialized_start=2261
-  _globals['_SERVERINFOREQUEST']._serialized_end=2280
-  _globals['_SERVERINFORESPONSE']._serialized_start=2283
-  _globals['_SERVERINFORESPONSE']._serialized_end=2468
-  _globals['_CONVEYOR']._serialized_start=2619
-  _globals['_CONVEYOR']._serialized_end=2991
+  _globals['_GENERATEREQUEST']._serialized_end=1567
+  _globals['_TOKENLOGPROBS']._serialized_start=1569
+  _globals['_TOKENLOGPROBS']._serialized_end=1663
+  _globals['_TOKENALTERNATIVE']._serialized_start=1665
+  _globals['_TOKENALTERNATIVE']._serialized_end=1718
+  _globals['_GENERATERESPONSE']._serialized_start=1721
+  _globals['_GENERATERESPONSE']._serialized_end=2018
+  _globals['_RESUMEREQUEST']._serialized_start=2020
+  _globals['_RESUMEREQUEST']._serialized_end=2097
+  _globals['_ABORTREQUEST']._serialized_start=2099
+  _globals['_ABORTREQUEST']._serialized_end=2133
+  _globals['_ABORTRESPONSE']._serialized_start=2135
+  _globals['_ABORTRESPONSE']._serialized_end=2167
+  _globals['_TOKENIZEREQUEST']._serialized_start=2169
+  _globals['_TOKENIZEREQUEST']._serialized_end=2248
+  _globals['_TOKENIZERESPONSE']._serialized_start=2250
+  _globals['_TOKENIZERESPONSE']._serialized_end=2301
+  _globals['_SERVERINFOREQUEST']._serialized_start=2303
+  _globals['_SERVERINFOREQUEST']._serialized_end=2322
+  _globals['_SERVERINFORESPONSE']._serialized_start=2325
+  _globals['_SERVERINFORESPONSE']._serialized_end=2510
+  _globals['_CONVEYOR']._serialized_start=2661
+  _globals['_CONVEYOR']._serialized_end=3033
 # @@protoc_insertion_point(module_scope)

@@ -99,6 +99,9 @@ def scheduler() -> dict:
                ("confirmed / s", f"sum(rate(conveyor_spec_accepted_tokens_total[{RATE}]))"),
                ("confirmed share", f"sum(rate(conveyor_spec_accepted_tokens_total[{RATE}])) / "
                                    f"sum(rate(conveyor_spec_draft_tokens_total[{RATE}]))")]),
+        panel("Speculation: tokens confirmed per verify step",
+              [("confirmed per verify", f"sum(rate(conveyor_spec_accepted_tokens_total[{RATE}])) / "
+                                        f"sum(rate(conveyor_spec_verify_steps_total[{RATE}]))")]),
         panel("Speculation: decodes that did not draft / s, by why",
               [("{{reason}}", f"sum by (reason) (rate(conveyor_spec_skipped_total[{RATE}]))")], "ops"),
         panel("Prefill and decode time", quantiles("conveyor_prefill_time_seconds", qs=(0.5, 0.9))
