@@ -124,6 +124,20 @@ class Constraints:
             self.compiled.move_to_end(s)
         return Constraint(base.deep_copy())
 
+    def masks(self, constraint: Constraint, drafts: list[int]) -> list:
+        """The masks of a verify chunk's rows (speculation): row r's after the first r ``drafts``, each consumed
+        for its mask and all rolled back after (only what the model confirms is fed, by ``catch_up``). From the
+        first draft the grammar refuses on, the rows reuse the last mask: that row refuses the draft, so nothing
+        after it is confirmed."""
+        valid = constraint.matcher.validate_tokens(drafts) if drafts else 0
+        out = [self.mask(constraint)]
+        for token in drafts[:valid]:
+            constraint.matcher.consume_token(token)
+            out.append(self.mask(constraint))
+        if valid:
+            constraint.matcher.rollback(valid)
+        return out + [out[-1]] * (len(drafts) - valid)
+
     def mask(self, constraint: Constraint):
         """The tokens ``constraint`` allows next, as a bitmask (int32 words, bit j of word w: token 32w + j).
         llguidance drops the GIL while it computes (call it off the step's thread to overlap the forward). One

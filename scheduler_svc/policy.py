@@ -417,13 +417,13 @@ class Scheduler:
         return self._chunk(request, n, registers=True)
 
     def _drafts(self, request: Request, n: int, registers: bool) -> int:
-        """Tokens a decode of ``request`` may draft this step: none for a prompt chunk, a constrained request or
-        one that opted out, nor in a step with more than ``spec_max_batch`` running, nor while the request pauses
+        """Tokens a decode of ``request`` may draft this step: none for a prompt chunk or a request that opted
+        out, nor in a step with more than ``spec_max_batch`` running, nor while the request pauses
         drafting; else as many as pay for their rows at its acceptance rate (``best_drafts``), never past its
         max_tokens or the max model length."""
         decode = n == 1 and request.num_pending <= 1 and not registers
         params = request.params
-        if not (self.spec_tokens and decode and params.structured is None and params.speculative):
+        if not (self.spec_tokens and decode and params.speculative):
             return 0
         if len(self.running) > self.spec_max_batch:
             self.counters.spec_skipped["batch"] += 1

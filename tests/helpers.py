@@ -176,19 +176,24 @@ class TinyScheduler:
         self.chunk_sizes = chunk_sizes
         self.accepted = 0  # drafted tokens the runner confirmed, over every run
 
-    def run(self, prompts: list[list[int]], max_tokens: int, params=None, together: bool = True, max_drafts: int = 0):
+    def run(self, prompts: list[list[int]], max_tokens: int, params=None, together: bool = True, max_drafts: int = 0,
+            structured=None):
         """Returns (tokens, logprobs) per prompt (``max_tokens`` each). ``together``: all sequences share every
-        step. ``max_drafts``: each decode may draft that many tokens (its blocks reach that far)."""
+        step. ``max_drafts``: each decode may draft that many tokens (its blocks reach that far). ``structured``:
+        each prompt's constraint (the runner needs its ``constraints``)."""
         from worker_svc.runner import SeqChunk, StepInput
         from conveyor.params import SamplingParams
 
         params = params or [SamplingParams(temperature=0.0, logprobs=0)] * len(prompts)
+        structured = structured or [None] * len(prompts)
         if not together:
-            outs = [self.run([p], max_tokens, [q], max_drafts=max_drafts) for p, q in zip(prompts, params)]
+            outs = [self.run([p], max_tokens, [q], max_drafts=max_drafts, structured=[g])
+                    for p, q, g in zip(prompts, params, structured)]
             return [o[0][0] for o in outs], [o[1][0] for o in outs]
         seqs = [
-            {"id": f"seq{i}", "prompt": p, "done": 0, "out": [], "lp": [], "blocks": [], "params": q, "turn": i}
-            for i, (p, q) in enumerate(zip(prompts, params))
+            {"id": f"seq{i}", "prompt": p, "done": 0, "out": [], "lp": [], "blocks": [], "params": q, "turn": i,
+             "structured": g}
+            for i, (p, q, g) in enumerate(zip(prompts, params, structured))
         ]
         bs = self.runner.cache.block_size
         while any(len(s["out"]) < max_tokens for s in seqs):
@@ -214,7 +219,7 @@ class TinyScheduler:
                 sample = start + len(tokens) >= len(s["prompt"])
                 chunks.append(SeqChunk(s["id"], tokens, start, new_block_ids=new, sample=sample,
                                        sampling=s["params"] if start == 0 else None, num_prompt_tokens=len(s["prompt"]),
-                                       max_drafts=drafts))
+                                       max_drafts=drafts, structured=s["structured"] if start == 0 else None))
                 s["done"] = start + len(tokens)
             free_ids = [s["id"] for s in finished]
             for s in finished:

@@ -83,6 +83,32 @@ def test_captured_decode_steps_equal_the_eager_steps(folder):
         assert got == pytest.approx(want, abs=1e-3)
 
 
+def test_speculation_on_the_gpu_gives_plain_decodings_tokens(folder):
+    """Verify chunks run eager beside captured 1-token decodes: with drafts (prompts that repeat a pattern, so
+    prompt lookup proposes), greedy tokens and logprobs equal plain decoding's; the measured cost model is
+    printed (bench/gpu_check.sh keeps the output)."""
+    path, reference = folder
+    ours = load_model(path, device="cuda", dtype=torch.float32)
+    pattern = _ids(reference, 12, 7)
+    prompts = [pattern * 4, _ids(reference, 30, 8) + pattern * 3, (pattern[:5] * 9)[:40]]
+    runs = []
+    for drafts in (0, 4):
+        runner = make_runner(ours, num_blocks=256, graphs=CudaGraph.factory(), max_graph_batch=8)
+        with torch.inference_mode():
+            runner.graphs.capture_all()
+        if drafts:
+            cost = runner.verify_cost(8)
+            print("verify cost (drafts 0..8):", " ".join(f"{c:.2f}" for c in cost))
+            assert cost[0] == 1.0 and cost == sorted(cost)
+        scheduler = TinyScheduler(runner)
+        runs.append(scheduler.run(prompts, 24, max_drafts=drafts))
+        print(f"drafts {drafts}: {scheduler.accepted} tokens from confirmed drafts")
+    (plain_tokens, plain_lp), (spec_tokens, spec_lp) = runs
+    assert spec_tokens == plain_tokens
+    for got, want in zip(spec_lp, plain_lp):
+        assert got == pytest.approx(want, abs=1e-3)
+
+
 def test_a_hf_folder_loads_straight_onto_the_gpu_in_bf16(folder):
     path, _ = folder
     loaded = load_model(path, device="cuda", dtype=torch.bfloat16)

@@ -13,8 +13,9 @@ from helpers import KV_BLOCK_BYTES, TinyScheduler, make_runner, scrape, start_st
 
 from conveyor.bench import speculation_prompts
 from conveyor.client import Client
-from conveyor.params import RequestParams, SamplingParams
+from conveyor.params import RequestParams, SamplingParams, Structured
 from conveyor.state import RequestStore
+from conveyor.structured import Constraints
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.policy import Scheduler, best_drafts, extend_cost
 from scheduler_svc.request import Request
@@ -67,6 +68,27 @@ def test_speculation_emits_exactly_the_tokens_of_plain_decoding(default_model, p
         assert ours == pytest.approx(theirs, abs=1e-4)
     print(f"{speculating.accepted} of {len(prompts) * MAX_TOKENS} tokens came from confirmed drafts")
     assert speculating.accepted >= 8
+
+
+def test_constrained_speculation_emits_exactly_the_tokens_of_plain_decoding(default_model, prompts):
+    """A constrained sequence drafts too: row r of its verify chunk is masked by its grammar after the first r
+    drafts. Under a regex the passage fits, and one without its capitals and punctuation (so drafts copied from
+    the prompt are refused by the grammar, not only by the model), each of bounded length (the rows near its end
+    allow less than the rows before), the tokens are plain constrained decoding's and drafts were confirmed."""
+    tok = default_model.tokenizer
+
+    def runner():
+        return make_runner(default_model, constraints=Constraints(tok.tokenizer.to_str(), default_model.config.vocab_size,
+                                                                  tok.eos_token_ids))
+
+    # both end within the 32 tokens (after 60 and 80 characters): a row's mask depends on the drafts before it
+    for spec in ("[A-Za-z .,]{1,60}", "[a-z ]{1,80}"):
+        structured = [Structured("regex", spec)] * 2
+        plain, _ = TinyScheduler(runner()).run(prompts[:2], MAX_TOKENS, structured=structured)
+        speculating = TinyScheduler(runner())
+        tokens, _ = speculating.run(prompts[:2], MAX_TOKENS, max_drafts=4, structured=structured)
+        assert tokens == plain, spec
+        assert speculating.accepted >= 4, spec
 
 
 def test_drafts_stop_at_the_blocks_the_sequence_holds(default_model, prompts):

@@ -229,12 +229,12 @@ class ModelRunner:
 
     def _draft(self, chunks: list[SeqChunk], staged: dict[str, SeqState]) -> dict[str, list[int]]:
         """Append drafted tokens to the decodes that may draft (``max_drafts``), in place: as many as their blocks
-        and the max model length leave room for. Returns each drafting sequence's drafts. A constrained sequence
-        does not draft (its grammar would have to judge each draft first)."""
+        and the max model length leave room for. Returns each drafting sequence's drafts (a constrained
+        sequence's are judged by its grammar, row by row: ``_start_masks``)."""
         drafts = {}
         for i, c in enumerate(chunks):
             s = staged[c.seq_id]
-            if c.max_drafts <= 0 or not c.sample or len(c.token_ids) != 1 or c.registers or s.constraint is not None:
+            if c.max_drafts <= 0 or not c.sample or len(c.token_ids) != 1 or c.registers:
                 continue
             end = c.start_pos + 1
             room = min(c.max_drafts, len(s.block_table) * self.cache.block_size - end, self.max_model_len - end)
@@ -324,7 +324,8 @@ class ModelRunner:
     def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState],
                             drafts: dict[str, list[int]]) -> list[StepResult]:
         sampled = [c for c in order if c.sample]
-        masks = self._start_masks([staged[c.seq_id] for c in sampled])  # the grammar work overlaps the forward
+        # the grammar work overlaps the forward
+        masks = self._start_masks([(staged[c.seq_id], drafts.get(c.seq_id, [])) for c in sampled])
         batch = self._batch(order, staged)
         hidden = self.backend.run(batch)
         last_rows = dict(zip((c.seq_id for c in order), batch.last_rows()))
@@ -342,7 +343,7 @@ class ModelRunner:
                 for r in range(len(guess) + 1):
                     rows.append(last - len(guess) + r)
                     sample_rows.append(SampleRow(s.params, prompt, s.tokens[s.num_prompt_tokens : computed + r], s.stop,
-                                                 bitmasks.get(i)))
+                                                 bitmasks[i][r] if i in bitmasks else None))
             logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
             drawn = sample(logits, sample_rows, self.generator)
             for i, error in errors.items():
@@ -353,22 +354,26 @@ class ModelRunner:
                 results.append(StepResult(c.seq_id, picks[0], scored.pop(c.seq_id, None), picks[1 : kept + 1], n))
         return results + [StepResult(seq_id, None, prompt) for seq_id, prompt in scored.items() if prompt is not None]
 
-    def _start_masks(self, states: list[SeqState]):
-        """On the grammar thread: feed each constrained sequence the output tokens its matcher has not seen,
-        then fill the masks of what may come next. A future of ({row: error}, {row: bitmask}), or None."""
+    def _start_masks(self, states: list[tuple[SeqState, list[int]]]):
+        """On the grammar thread: feed each constrained sequence the output tokens its matcher has not seen (up
+        to its drafts), then fill the masks of what may come next: one per row, row r's after the first r drafts
+        (consumed for the mask, then rolled back: only what the model confirms is fed, by the next step). A
+        draft the grammar refuses ends that: its row's mask refuses it, so it and the drafts after it are never
+        confirmed, and the rows after it reuse the last mask. A future of ({sampled index: error}, {sampled
+        index: [bitmask per row]}), or None."""
         self.mask_seconds = None
-        if not any(s.constraint is not None for s in states):
+        if not any(s.constraint is not None for s, _ in states):
             return None
 
         def work():
             start = time.perf_counter()
             errors, masks = {}, {}
-            for i, s in enumerate(states):
+            for i, (s, guess) in enumerate(states):
                 if s.constraint is None:
                     continue
-                error = s.constraint.catch_up(s.tokens[s.num_prompt_tokens :])
+                error = s.constraint.catch_up(s.tokens[s.num_prompt_tokens : len(s.tokens) - len(guess)])
                 if error is None:
-                    masks[i] = self.constraints.mask(s.constraint)
+                    masks[i] = self.constraints.masks(s.constraint, guess)
                 else:
                     errors[i] = error
             self.mask_seconds = time.perf_counter() - start
