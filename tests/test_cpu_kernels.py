@@ -16,17 +16,20 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F32, Q.F16, Q.BF16]  # GGUF blocks, and dense
 DTYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
-def _quantized(qtype, n: int, k: int, seed: int = 0):
-    """(the kernels' layout, the exact fp32 values it holds) of a random (n, k) weight."""
+TILED = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.BF16]  # the types the fast numerics keep in tiles
+
+
+def _quantized(qtype, n: int, k: int, seed: int = 0, tiles: bool = False):
+    """(the kernels' layout, rows or ``tiles``; the exact fp32 values it holds) of a random (n, k) weight."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     if qtype in DTYPES:
         stored = torch.from_numpy(w).to(DTYPES[qtype])
         rows, type_id = cpu_kernels.dense_rows(stored)
         assert type_id == int(qtype)
-        return cpu_kernels.kernel_layout(rows, type_id, k), stored.float()
+        return cpu_kernels.kernel_layout(rows, type_id, k, tiles), stored.float()
     blocks = gguf.quants.quantize(w, qtype)
     dense = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(n, k))
-    return cpu_kernels.kernel_layout(torch.from_numpy(blocks.copy()).reshape(n, -1), int(qtype), k), dense
+    return cpu_kernels.kernel_layout(torch.from_numpy(blocks.copy()).reshape(n, -1), int(qtype), k, tiles), dense
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda t: t.name)
@@ -51,6 +54,65 @@ def test_qgemm_matches_dense_matmul(qtype, m):
     qweight, dense = _quantized(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     torch.testing.assert_close(cpu_kernels.qgemm(x, qweight, int(qtype), n), x @ dense.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", TILED, ids=lambda t: t.name)
+def test_tiles_hold_exactly_the_gguf_values(qtype):
+    qweight, dense = _quantized(qtype, 37, 96, tiles=True)
+    assert qweight.shape[0] == 48  # 37 rows padded to whole tiles of 16
+    rows = torch.tensor([0, 36, 16, 5, 5])
+    assert torch.equal(cpu_kernels.dequantize_rows(qweight, int(qtype), 96, rows, tiles=True), dense[rows])
+
+
+# relative error bounds per passes of x: int8 blocks (1: 8 bits, 2: ~15) and bf16 parts (1: 8 bits, 2: ~16)
+FAST_ERROR = {Q.BF16: {1: 1e-2, 2: 2e-5}, "int8": {1: 2e-2, 2: 2e-4}}
+
+
+@pytest.mark.parametrize("qtype", TILED, ids=lambda t: t.name)
+@pytest.mark.parametrize("passes", [1, 2])
+def test_tiles_multiply_any_number_of_rows_and_a_row_does_not_depend_on_the_others(qtype, passes):
+    """Every row count the fast numerics see (a decode, a batch, a verify chunk, a prefill chunk) against the
+    exact product; each row of the result equals that row multiplied alone, for all the rows the integer dots
+    take (more quantized rows take the fp32 product of the same weights: within fp32 rounding)."""
+    n, k = 83, 320  # n not a multiple of the 16-row tile
+    qweight, dense = _quantized(qtype, n, k, seed=passes, tiles=True)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(passes)) * 2
+    alone = torch.cat([cpu_kernels.qgemm(x[i : i + 1], qweight, int(qtype), n, passes) for i in range(70)])
+    dots = qtype == Q.BF16 or 70 <= cpu_kernels.int8_max_rows()
+    for m in [1, 2, 3, 4, 5, 8, 9, 13, 17, 33, 70]:
+        y = cpu_kernels.qgemm(x[:m], qweight, int(qtype), n, passes)
+        exact = (x[:m].double() @ dense.double().T).float()
+        error = float((y - exact).norm() / exact.norm())
+        if qtype == Q.BF16 or m <= cpu_kernels.int8_max_rows():
+            assert error < FAST_ERROR.get(qtype, FAST_ERROR["int8"])[passes], (m, error)
+            assert torch.equal(y, alone[:m]), m
+        else:
+            assert error < 1e-6, (m, error)
+            assert dots or not torch.equal(y, alone[:m])  # the fp32 product, not the integer one
+    assert 1e-7 < float((alone - x @ dense.T).norm() / (x @ dense.T).norm())  # x was quantized or rounded
+
+
+@pytest.mark.skipif(len(cpu_kernels.supported_isas()) < 2, reason="this CPU has one of the kernels' instruction sets")
+@pytest.mark.parametrize("qtype", TILED, ids=lambda t: t.name)
+def test_every_instruction_set_gives_the_same_fast_product(qtype):
+    """Integer dots sum exactly and scale per block in the same order on every instruction set, so AVX2 and
+    AVX512-VNNI give the same bits; bf16 dots (emulated on AVX2) the same up to the rounding of fp32 sums."""
+    n, k = 50, 256
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for name in cpu_kernels.supported_isas():
+        cpu_kernels.use_isa(name)
+        try:
+            qweight, _ = _quantized(qtype, n, k, seed=7, tiles=True)
+            results[name] = cpu_kernels.qgemm(x[: min(5, cpu_kernels.int8_max_rows())], qweight, int(qtype), n, 2)
+        finally:
+            cpu_kernels.use_isa("auto")
+    first = results.pop("avx2")
+    for name, y in results.items():
+        if qtype == Q.BF16:
+            torch.testing.assert_close(y[: len(first)], first, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(y[: len(first)], first), name
 
 
 def _reference_attention(q, k_cache, v_cache, tables, token_seq, token_pos):

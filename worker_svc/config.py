@@ -9,6 +9,7 @@ from conveyor.config import parse_size, require, setting
 ENV_PREFIX = "CONVEYOR_WORKER_"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "native", "flex", "sdpa")
+CPU_ISAS = ("auto", "avx2", "avx512", "avx512bf16")  # worker_svc.cpu_kernels.ISAS
 
 
 @dataclass
@@ -28,11 +29,13 @@ class WorkerConfig:
     max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens (default: the model's)")
     numerics: str = setting(
         "fast", "with native attention: exact = the dequantized fp32 product of quantized weights (logits within "
-        "1e-4 of transformers); fast = decode batches of 1-2 rows multiply with integer dot products, the "
-        "activations quantized to two int8 passes per block of 32 (~1.6x faster matmuls; log-probabilities "
-        "within ~2e-3 of exact)",
+        "1e-4 of transformers); fast = quantized weights multiply with integer dot products, the activations "
+        "quantized to two int8 passes per block of 32 (log-probabilities within ~2e-3 of exact), and bf16 weights "
+        "with bf16 dot products, the activations rounded to bf16, where the CPU has them (AVX512-BF16)",
         choices=("exact", "fast"),
     )
+    cpu_isa: str = setting("auto", "with native attention: the instruction set the CPU kernels are compiled for "
+                                    "(auto: the best this CPU has)", choices=CPU_ISAS)
     quantize: str = setting(
         "none", "with native attention: quantize the model's dense linear weights at load (a Hugging Face folder's, "
         "or a GGUF's F16/BF16/F32 tensors) to GGUF q8_0 or q4_0 blocks, as llama.cpp's quantizer does, so they take "
@@ -73,6 +76,7 @@ class WorkerConfig:
         require(self.profile_tokens >= 1, "profile_tokens", "must be >= 1")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         require(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
+        require(self.cpu_isa in CPU_ISAS, "cpu_isa", f"must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         require(1 <= self.max_graph_batch <= 4096, "max_graph_batch", f"must be in [1, 4096], got {self.max_graph_batch}")
         require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         require(1 <= self.spec_min_ngram <= self.spec_max_ngram <= 64, "spec_min_ngram",

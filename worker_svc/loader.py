@@ -32,7 +32,7 @@ from worker_svc.packed import PackedEmbedding, PackedLinear
 log = logging.getLogger(__name__)
 
 SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
-NUMERICS = {"exact": 0, "fast": 2}  # int8 passes of the activations in PackedLinear (0: the exact product)
+NUMERICS = ("exact", "fast")
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
 # GGUF quant types we promise to read (gguf.quants can dequantize more; those are accepted too).
 GGUF_BASE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -73,9 +73,9 @@ def load_model(
     (as llama.cpp's quantizer does; q4_0 keeps the embedding and output layer at q8_0), so a Hugging
     Face model takes the integer-dot path; "none" keeps them as stored. Needs the CPU kernels.
     ``numerics``: "exact" computes the dequantized fp32 product (logits within 1e-4 of
-    transformers); "fast" lets quantized layers multiply decode batches (``cpu_kernels.fast_max_rows()``
-    rows) with integer dots, the activations quantized in two int8 passes per block of 32
-    (``worker_svc/cpu_kernels/qdot.c``).
+    transformers); "fast" keeps quantized weights in tiles and multiplies them with integer dots, the activations
+    quantized in two int8 passes per block of 32, and bf16 weights with bf16 dots where the CPU has them
+    (``worker_svc/cpu_kernels/tiles.c``).
     """
     if numerics not in NUMERICS:
         raise ValueError(f"--numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -98,7 +98,7 @@ def load_model(
         )
     with torch.device("meta"):  # no memory and no random init; the loaded tensors are assigned
         model = LlamaModel(config, max_positions=limit)
-    _install_packed(model, state, config)
+    _install_packed(model, state, config, numerics)
     if config.tie_word_embeddings and "lm_head.weight" not in state and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     missing = [k for k, t in model.state_dict().items() if t.is_meta and k not in state]
@@ -109,9 +109,6 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
-    for module in model.modules():
-        if isinstance(module, PackedLinear) and module.qtype in QUANTIZED:
-            module.passes = NUMERICS[numerics]
     return LoadedModel(model, config, load_tokenizer(source), source.name, limit, packed)
 
 
@@ -153,22 +150,28 @@ def _pack_dense(state: dict[str, torch.Tensor], config: ModelConfig, quantize: s
         state[f"{name}.qtype"] = torch.tensor(qtype)
 
 
-def _install_packed(model: LlamaModel, state: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    """Swap in PackedLinear / PackedEmbedding for every ``<module>.qweight`` in ``state`` (consumed)."""
+def _install_packed(model: LlamaModel, state: dict[str, torch.Tensor], config: ModelConfig, numerics: str) -> None:
+    """Swap in PackedLinear / PackedEmbedding for every ``<module>.qweight`` in ``state`` (consumed), in the
+    layout ``numerics`` multiplies them in (``cpu_kernels.tiled``)."""
     for key in [k for k in state if k.endswith(".qweight")]:
         name = key.removesuffix(".qweight")
         qweight, qtype = state.pop(key), int(state.pop(f"{name}.qtype"))
-        if name == "embed_tokens":
-            qweight = cpu_kernels.kernel_layout(qweight, qtype, config.hidden_size)  # once: lm_head may share it
-            model.embed_tokens = PackedEmbedding(qweight, qtype, config.hidden_size)
+        tiles = cpu_kernels.tiled(qtype, numerics)
+        # the fast numerics' passes of x: two int8 blocks (~15 bits) for quantized weights; one bf16 for bf16
+        # weights (what transformers and vLLM compute in bf16)
+        passes = (2 if qtype in QUANTIZED else 1) if tiles else 0
+        if name == "embed_tokens":  # laid out once: lm_head may share it
+            qweight = cpu_kernels.kernel_layout(qweight, qtype, config.hidden_size, tiles)
+            model.embed_tokens = PackedEmbedding(qweight, qtype, config.hidden_size, tiles)
             if config.tie_word_embeddings:
-                model.lm_head = PackedLinear(qweight, qtype, config.hidden_size)
+                model.lm_head = PackedLinear(qweight, qtype, config.hidden_size, config.vocab_size, passes=passes)
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        in_features = getattr(parent, child).in_features
-        qweight = cpu_kernels.kernel_layout(qweight, qtype, in_features)
-        setattr(parent, child, PackedLinear(qweight, qtype, in_features, state.pop(f"{name}.bias", None)))
+        dense = getattr(parent, child)
+        qweight = cpu_kernels.kernel_layout(qweight, qtype, dense.in_features, tiles)
+        setattr(parent, child, PackedLinear(qweight, qtype, dense.in_features, dense.out_features,
+                                            state.pop(f"{name}.bias", None), passes))
 
 
 # ---------------------------------------------------------------- Hugging Face folders

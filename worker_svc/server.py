@@ -21,6 +21,7 @@ from conveyor.params import Limits, SamplingParams, StopParams, Structured, from
 from conveyor.structured import Constraints
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
 from conveyor.wire import FAILED_SEQ_METADATA
+from worker_svc import cpu_kernels
 from worker_svc.config import WorkerConfig
 from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import GpuMemory, KVCache, bytes_per_block, kv_budget_bytes
@@ -176,6 +177,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     """Load the model, size and allocate the KV cache, and describe it all for ``Info``."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    cpu_kernels.use_isa(cfg.cpu_isa)
     started = time.perf_counter()
     loaded = load_model(cfg.model, device=device, dtype=dtype, max_model_len=cfg.max_model_len,
                         attention=cfg.attention, numerics=cfg.numerics, quantize=cfg.quantize)
@@ -209,7 +211,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
         "loaded %s in %.2fs on %s (%s%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),
         f", {loaded.weight_formats()} weights" if loaded.packed else "",
-        f", native attention (the CPU kernels), {cfg.numerics} numerics" if runner.attention == "native"
+        f", native attention (the CPU kernels, {cpu_kernels.isa()}), {cfg.numerics} numerics" if runner.attention == "native"
         else f", {runner.attention} attention{', CUDA graphs' if runner.graphs else ''}",
         num_blocks, cfg.block_size, num_blocks * cfg.block_size, num_blocks * block_bytes / 2**20,
     )

@@ -1,9 +1,9 @@
 """CPU kernels for x86 (AVX2/FMA/F16C), built from the C files beside this one on first use:
 
 - ``qgemm``: matmul with weights kept in GGUF Q4_0 / Q4_1 / Q8_0 blocks or dense F32 / F16 / BF16 rows
-  (``qgemm.c``), and its fast
-  variant for few rows, which quantizes x to int8 blocks and multiplies with integer dot products
-  (``qdot.c``; the worker's ``--numerics fast``);
+  (``qgemm.c``: the exact fp32 product), or in tiles of 16 output rows (``tiles.c``: the worker's
+  ``--numerics fast``, integer dot products of x quantized to int8 blocks, or bf16 dot products, for any
+  number of rows);
 - ``attention``: RoPE, the KV write and attention read in place from the paged cache (``attention.c``);
 - ``add_rms_norm``, ``silu_mul``: the element-wise rest of a decoder layer (``elementwise.c``).
 
@@ -11,8 +11,11 @@ They exist because on a CPU at small batch a decoder layer is dominated by the p
 PyTorch's dispatch and by fp32 weight traffic; the arithmetic is the same as the PyTorch path
 
 The shared library is compiled with the system C compiler into the Conveyor cache folder (keyed by
-the source's hash), then loaded with ``ctypes``; compiling takes about a second, once per machine.
-``available()`` says whether it can be used here and, when not, why (no compiler, no AVX2, ...).
+the source's hash and the instruction set), then loaded with ``ctypes``; compiling takes a few seconds, once
+per machine. There is one library per instruction set (``ISAS``): AVX2 (every x86-64 CPU the kernels run
+on), AVX512 with VNNI (Ice Lake, Zen 4 and later: ``vpdpbusd``) and that with BF16 too (Cooper Lake,
+Sapphire Rapids, Zen 4: ``vdpbf16ps``); ``use_isa`` picks one, by default the best this CPU has.
+``available()`` says whether the kernels can be used here and, when not, why (no compiler, no AVX2, ...).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from conveyor.cache import cache_root, write_atomic
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("qgemm.c", "qdot.c", "attention.c", "elementwise.c", "layers.c")]
-HEADERS = [HERE / "simd.h", HERE / "quant.h"]
+SOURCES = [HERE / name for name in ("qgemm.c", "tiles.c", "attention.c", "elementwise.c", "layers.c")]
+HEADERS = [HERE / name for name in ("simd.h", "quant.h", "isa.h", "xquant.h")]
 # -ffp-contract=off: a * b + c in plain C stays two roundings, as in PyTorch (intrinsics are explicit)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
 # ggml type ids -> bytes per block of 32 weights
@@ -44,6 +47,16 @@ BLOCK_BYTES = QUANTIZED | {0: 128, 1: 64, 30: 64}
 TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
 QUANTIZE = {"q8_0": 8, "q4_0": 2}  # --quantize: the block types dense weights can be quantized to at load
 QK = 32
+TILE = 16  # output rows per tile (tiles.c)
+# instruction set -> (the /proc/cpuinfo flags it needs, the compiler flags that enable it), weakest first
+ISAS = {
+    "avx2": ({"avx2", "fma", "f16c"}, []),
+    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+    "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"},
+                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"]),
+}
+_chosen = {"isa": "auto"}
 
 
 class QLinear(ctypes.Structure):
@@ -80,42 +93,76 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build() -> Path:
+def _build(isa: str) -> Path:
+    flags = CFLAGS + ISAS[isa][1]
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"conveyor-cpu-{digest}.so"
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"conveyor-cpu-{isa}-{digest}.so"
     if not target.is_file():
         compiler = shutil.which("cc") or shutil.which("gcc")
 
         def compile_to(tmp: Path) -> None:
-            command = [compiler, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"]
+            command = [compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"]
             subprocess.run(command, check=True, capture_output=True, text=True)
 
         write_atomic(target, compile_to)
     return target
 
 
-@cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
+def supported_isas() -> list[str]:
+    """The instruction sets of ``ISAS`` this CPU has, weakest first ([] on a CPU the kernels do not run on)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"not an x86-64 CPU ({platform.machine()})"
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+        return []
+    flags = _cpu_flags()
+    return [name for name, (needs, _) in ISAS.items() if needs <= flags]
+
+
+def use_isa(name: str) -> None:
+    """Run the kernels compiled for ``name`` (a key of ``ISAS``), or "auto": the best this CPU has. Call it
+    before the first use (a model loaded earlier keeps its layout, which does not depend on it)."""
+    if name != "auto" and name not in ISAS:
+        raise ValueError(f"--cpu-isa must be auto or one of {', '.join(ISAS)}, got {name!r}")
+    _chosen["isa"] = name
+
+
+def isa() -> str:
+    """The instruction set the kernels run with ("" when they cannot run here)."""
+    return _library(_chosen["isa"])[2]
+
+
+@cache
+def _library(wanted: str = "auto") -> tuple[ctypes.CDLL | None, str, str]:
+    """(the library, why not when it is None, its instruction set)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not an x86-64 CPU ({platform.machine()})", ""
+    missing = ISAS["avx2"][0] - _cpu_flags()
     if missing:
-        return None, f"the CPU lacks {', '.join(sorted(missing))}"
+        return None, f"the CPU lacks {', '.join(sorted(missing))}", ""
+    have = supported_isas()
+    chosen = have[-1] if wanted == "auto" else wanted
+    if chosen not in have:
+        return None, f"--cpu-isa {chosen}: the CPU lacks {', '.join(sorted(ISAS[chosen][0] - _cpu_flags()))}", ""
     if not (shutil.which("cc") or shutil.which("gcc")):
-        return None, "no C compiler (cc) on PATH"
+        return None, "no C compiler (cc) on PATH", ""
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(_build(chosen)))
     except subprocess.CalledProcessError as exc:
-        return None, f"compiling the CPU kernels failed: {exc.stderr.strip()[:500]}"
+        return None, f"compiling the CPU kernels failed: {exc.stderr.strip()[:500]}", ""
     except OSError as exc:
-        return None, f"loading the compiled kernel failed: {exc}"
+        return None, f"loading the compiled kernel failed: {exc}", ""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.qgemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.qgemm.restype = ctypes.c_int
-    lib.qgemm_auto.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.qgemm_auto.restype = ctypes.c_int
-    lib.qdot_max_rows.restype = ctypes.c_int
+    lib.tile_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr]
+    lib.tile_gemm.restype = ctypes.c_int
+    lib.tile_repack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    lib.tile_repack.restype = ctypes.c_int
+    lib.tile_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
+    lib.tile_dequant_rows.restype = ctypes.c_int
+    lib.tile_supported.argtypes = [ctypes.c_int]
+    lib.tile_supported.restype = ctypes.c_int
+    lib.tile_isa.restype = ctypes.c_int
+    lib.tile_int8_max_rows.restype = ctypes.c_int
     lib.decoder_scratch.argtypes = [ctypes.POINTER(Dims), i64]
     lib.decoder_scratch.restype = i64
     lib.decoder_forward.argtypes = [ctypes.POINTER(Layer), i64, ctypes.POINTER(Dims), ptr, i64, ptr, ptr, i64, ptr,
@@ -134,12 +181,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.add_rms_norm.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.silu_mul.restype = None
-    return lib, ""
+    return lib, "", chosen
 
 
 def available() -> tuple[bool, str]:
     """(True, "") when the kernels can run here, else (False, the reason)."""
-    lib, reason = _library()
+    lib, reason, _ = _library(_chosen["isa"])
     return lib is not None, reason
 
 
@@ -153,15 +200,28 @@ def problem(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def _lib() -> ctypes.CDLL:
-    lib, reason = _library()
+    lib, reason, _ = _library(_chosen["isa"])
     if lib is None:
         raise RuntimeError(f"CPU kernels unavailable: {reason}")
     return lib
 
 
-def fast_max_rows() -> int:
-    """Most rows the integer-dot path serves (decode batches; more rows take the exact kernel)."""
-    return _lib().qdot_max_rows()
+def int8_max_rows() -> int:
+    """Most rows of x a tiled quantized weight multiplies with integer dots; more take the fp32 product of its
+    dequantized values (AVX2, from 4 rows: faster there without vpdpbusd). Unbounded with VNNI."""
+    return _lib().tile_int8_max_rows()
+
+
+def bf16_dots() -> bool:
+    """Whether the CPU multiplies bf16 pairs in one instruction (AVX512-BF16), which the fast numerics then use
+    for bf16 weights."""
+    return _lib().tile_isa() == 513
+
+
+def tiled(qtype: int, numerics: str) -> bool:
+    """Whether a weight of ``qtype`` is kept in tiles (``tiles.c``) under ``numerics``: the fast numerics' quantized
+    weights, and its bf16 weights where the CPU has bf16 dot products; else rows (the exact product)."""
+    return numerics == "fast" and (qtype in QUANTIZED or (qtype == DENSE[torch.bfloat16] and bf16_dots()))
 
 
 def dense_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -191,16 +251,23 @@ def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.cat([scale, q], dim=-1).reshape(n, -1).contiguous()
 
 
-def kernel_layout(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """GGUF blocks, (N, K/32 * block bytes) uint8, rearranged within each row the way the kernels read
-    them (see quant.h: a row's scales, mins and quants each together); a new tensor of the same shape.
-    Dense rows (``dense_rows``) are copied as they are. Every ``qweight`` given to the functions below is
-    in this layout."""
+def kernel_layout(blocks: torch.Tensor, qtype: int, in_features: int, tiles: bool = False) -> torch.Tensor:
+    """GGUF blocks, (N, K/32 * block bytes) uint8, rearranged the way the kernels read them: within each row
+    (see quant.h: a row's scales, mins and quants each together; a new tensor of the same shape; dense rows
+    (``dense_rows``) are copied as they are), or with ``tiles`` in tiles of 16 rows (see tiles.c; Q4_0, Q4_1,
+    Q8_0 and BF16; (ceil(N / 16) * 16, K/32 * block bytes), the last tile padded with zero rows). Every
+    ``qweight`` given to the functions below is in one of these layouts, and ``tiles`` says which."""
     if qtype not in BLOCK_BYTES or in_features % QK:
         raise ValueError(f"qrepack: unsupported type {qtype} or K={in_features}")
     row_bytes = in_features // QK * BLOCK_BYTES[qtype]
     if blocks.dtype != torch.uint8 or blocks.numel() % row_bytes:
         raise ValueError(f"qrepack: {blocks.numel()} {blocks.dtype} values are not rows of {row_bytes} bytes")
+    if tiles:
+        n = blocks.numel() // row_bytes
+        out = torch.empty(-(-n // TILE) * TILE, row_bytes, dtype=torch.uint8)
+        if _lib().tile_repack(qtype, blocks.contiguous().data_ptr(), n, in_features, out.data_ptr()) != 0:
+            raise ValueError(f"tile_repack: type {TYPE_NAMES.get(qtype, qtype)} is not kept in tiles")
+        return out
     out = blocks.contiguous().clone()
     if _lib().qrepack(qtype, out.data_ptr(), out.numel() // row_bytes, in_features) != 0:
         raise ValueError(f"qrepack: unsupported type {qtype} or K={in_features}")
@@ -208,26 +275,31 @@ def kernel_layout(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.T
 
 
 def qgemm(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int, passes: int = 0) -> torch.Tensor:
-    """x: (M, K) fp32 -> (M, N) fp32, with qweight (N, K/32 * block bytes) uint8 GGUF blocks in the
-    kernels' layout (``kernel_layout``).
-    ``passes`` 1 or 2: for M <= ``fast_max_rows()``, x is quantized to that many int8 blocks (each the
-    rest of the one before) and multiplied with integer dots; 0: the exact fp32 product."""
+    """x: (M, K) fp32 -> (M, N) fp32, with qweight GGUF blocks (or dense rows) in the kernels' layout
+    (``kernel_layout``): ``passes`` 0, rows, the exact fp32 product; 1 or 2, tiles, the fast numerics (x
+    quantized to that many int8 blocks, each the rest of the one before, and integer dots; for bf16, x in that
+    many bf16 parts and bf16 dots)."""
     lib = _lib()
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    code = lib.qgemm_auto(qtype, x.data_ptr(), m, k, qweight.data_ptr(), out_features, y.data_ptr(), passes)
+    if passes:
+        code = lib.tile_gemm(qtype, x.data_ptr(), m, k, qweight.data_ptr(), out_features, y.data_ptr(), passes, None)
+    else:
+        code = lib.qgemm(qtype, x.data_ptr(), m, k, qweight.data_ptr(), out_features, y.data_ptr())
     if code != 0:
-        raise ValueError(f"qgemm: unsupported type {qtype} or K={k}")
+        raise ValueError(f"qgemm: unsupported type {qtype}, K={k} or passes={passes}")
     return y
 
 
-def dequantize_rows(qweight: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
-    """fp32 values of the given rows: (len(rows), K)."""
+def dequantize_rows(qweight: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor,
+                    tiles: bool = False) -> torch.Tensor:
+    """fp32 values of the given rows: (len(rows), K) (``tiles``: qweight is in tiles)."""
     lib = _lib()
     rows = rows.to(torch.int64).contiguous()
     out = torch.empty(rows.numel(), in_features, dtype=torch.float32)
-    if lib.qdequant_rows(qtype, qweight.data_ptr(), in_features, rows.data_ptr(), rows.numel(), out.data_ptr()) != 0:
+    expand = lib.tile_dequant_rows if tiles else lib.qdequant_rows
+    if expand(qtype, qweight.data_ptr(), in_features, rows.data_ptr(), rows.numel(), out.data_ptr()) != 0:
         raise ValueError(f"qdequant_rows: unsupported type {qtype} or K={in_features}")
     return out
 

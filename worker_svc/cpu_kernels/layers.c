@@ -10,7 +10,12 @@
 #include <stdint.h>
 #include <string.h>
 
-int qgemm_auto(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes);
+#include <omp.h>
+
+int qgemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y);
+int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes,
+              void *work);
+int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads);
 int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
                     int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out);
@@ -20,11 +25,11 @@ void add_rms_norm(float *x, const float *add, const float *w, int64_t rows, int6
 void silu_mul(const float *gu, int64_t rows, int64_t n, float *out);
 
 typedef struct {
-    const uint8_t *weight;  // (out, in / 32 * block bytes) GGUF blocks in the kernel layout (quant.h)
+    const uint8_t *weight;  // GGUF blocks or dense rows: in rows (quant.h) for passes 0, in tiles (tiles.c) else
     const float *bias;      // (out,) or NULL
     int64_t in, out;
     int32_t type;           // ggml type id
-    int32_t passes;         // int8 passes of x for few rows (0: exact)
+    int32_t passes;         // 0: the exact product (qgemm.c); 1 or 2: the fast numerics' passes of x (tiles.c)
 } QLinear;
 
 typedef struct {
@@ -40,18 +45,27 @@ typedef struct {
     const float *final_norm;
 } Dims;
 
-static int linear(const QLinear *l, const float *x, int64_t rows, float *y) {
-    if (qgemm_auto(l->type, x, rows, l->in, l->weight, l->out, y, l->passes) != 0) return -1;
+static int linear(const QLinear *l, const float *x, int64_t rows, float *y, void *work) {
+    const int code = l->passes ? tile_gemm(l->type, x, rows, l->in, l->weight, l->out, y, l->passes, work)
+                               : qgemm(l->type, x, rows, l->in, l->weight, l->out, y);
+    if (code != 0) return -1;
     if (l->bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < l->out; i++) y[r * l->out + i] += l->bias[i];
     return 0;
 }
 
-// Floats of scratch needed for T tokens.
-int64_t decoder_scratch(const Dims *d, int64_t T) {
+static int64_t activation_floats(const Dims *d, int64_t T) {
     const int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
     return T * (2 * d->hidden + qkv + d->heads * d->head_dim + 3 * d->intermediate);
+}
+
+// Floats of scratch needed for T tokens: the activations, then the tile kernels' work memory (for the widest
+// input, two passes, the threads OpenMP runs now).
+int64_t decoder_scratch(const Dims *d, int64_t T) {
+    const int64_t widest = d->intermediate > d->heads * d->head_dim ? d->intermediate : d->heads * d->head_dim;
+    const int64_t K = widest > d->hidden ? widest : d->hidden;
+    return activation_floats(d, T) + tile_work_bytes(T, K, 2, omp_get_max_threads()) / 4 + 16;
 }
 
 // x: (T, hidden) embedded tokens, used as the residual stream; out: (T, hidden) the final norm of the
@@ -67,19 +81,20 @@ int decoder_forward(const Layer *layers, int64_t num_layers, const Dims *d, floa
     float *attn = qkv + T * qkv_width;            // (T, heads * head_dim)
     float *gate_up = attn + T * hd;               // (T, 2 * intermediate)
     float *act = gate_up + T * 2 * d->intermediate;  // (T, intermediate)
+    void *work = scratch + activation_floats(d, T);  // the tile kernels' (decoder_scratch)
     for (int64_t i = 0; i < num_layers; i++) {
         const Layer *l = &layers[i];
         add_rms_norm(x, i == 0 ? NULL : h, l->input_norm, T, d->hidden, d->eps, normed);
-        if (linear(&l->qkv, normed, T, qkv)) return -1;
+        if (linear(&l->qkv, normed, T, qkv, work)) return -1;
         rope_store(qkv, T, d->heads, d->kv_heads, d->head_dim, q_pos, d->cos, d->sin, slots, l->k_cache, l->v_cache);
         if (paged_attention(qkv, qkv_width, l->k_cache, l->v_cache, block_tables, max_blocks, q_seq, q_pos, T,
                             d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn))
             return -1;
-        if (linear(&l->o, attn, T, h)) return -1;
+        if (linear(&l->o, attn, T, h, work)) return -1;
         add_rms_norm(x, h, l->post_norm, T, d->hidden, d->eps, normed);
-        if (linear(&l->gate_up, normed, T, gate_up)) return -1;
+        if (linear(&l->gate_up, normed, T, gate_up, work)) return -1;
         silu_mul(gate_up, T, d->intermediate, act);
-        if (linear(&l->down, act, T, h)) return -1;
+        if (linear(&l->down, act, T, h, work)) return -1;
     }
     add_rms_norm(x, num_layers ? h : NULL, d->final_norm, T, d->hidden, d->eps, out);
     return 0;

@@ -1,0 +1,451 @@
+// The fast numerics' matrix multiply for the CPU: y = x @ W^T with W kept in tiles of 16 output rows, for
+// every number of rows of x (a lone decode, a batch of decodes, a verify chunk, a prefill chunk).
+//
+// Why tiles. The row layout (quant.h, qgemm.c) keeps each weight row's blocks together: a dot product per
+// (row of x, row of W) and, for quantized weights, a float conversion per block of 32 per such pair. Here a
+// vector lane is an output row instead: 16 rows' weights for the same 4 (or 2) inputs lie side by side, one
+// broadcast of x meets all of them, and a block's integer sums convert once per 16 rows. With AVX512-VNNI a
+// block of 16 rows x 32 inputs is 8 vpdpbusd per pass of x (64 multiply-adds each); on AVX2 the same code
+// runs 8 lanes at a time (isa.h). A strip of W rows stays in L1 while every row of x passes over it.
+//
+// Tile layout, per group of 16 output rows (the last group padded with zero rows), nb = K / 32 blocks:
+//
+//   Q4_0, Q4_1: [q: nb x 256 B][d: nb x 16 fp16][m: nb x 16 fp16, Q4_1 only]
+//     block b's 256 B are 4 slots of 64 B; slot s holds, for row r, the 4 bytes s of the row's GGUF nibbles
+//     (bytes 4s..4s+3) at 4r: low nibbles are inputs 4s..4s+3, high nibbles inputs 16+4s..16+4s+3.
+//   Q8_0: [q: nb x 512 B][d: nb x 16 fp16]; 8 k-groups of 64 B, k-group j holding row r's int8 inputs
+//     4j..4j+3 at 4r.
+//   BF16 (dense): [K/2 pairs x 16 rows x 2 bf16]: 64 B per pair of inputs.
+//
+// The bytes per row are those of the GGUF row (or of the bf16 row), so a tiled weight is no larger.
+//
+// Numerics (the worker's --numerics fast). Quantized weights: x is quantized per block of 32 in P int8 passes
+// (quantize_rows; P = 2: ~15 bits), each block's products summed exactly in int32, then scaled in fp32: one
+// rounding per block, and each output's blocks summed in order, so a row of y does not depend on how many rows
+// x has, nor on the instruction set. BF16 weights: x rounded to bf16 (P = 1, what transformers and vLLM
+// compute in bf16) or split in two bf16 (P = 2: ~16 bits), products summed in fp32 (vdpbf16ps).
+
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "isa.h"
+#include "quant.h"
+#include "xquant.h"
+
+enum { TILE = 16, MR = ISA_VNNI ? 8 : 4, STRIPS = TILE / W };
+
+static inline int64_t tile_quant_bytes(int type) { return (int64_t)TILE * quant_bytes(type); }  // per block
+
+// ---------------------------------------------------------------- quantized weights
+
+// The running int32 sums of one (row of x, strip) over a block: with VNNI one per pass of x (combined at the
+// end); on AVX2 one, each pass's pair sums weighted by its ratio in madd (the value is the same).
+typedef struct {
+    vi a, b;
+} Sum;
+
+static inline __attribute__((always_inline)) void sum_add(Sum *s, vi u, vi x0, vi x1, int passes) {
+#if ISA_VNNI
+    s->a = dot_u8s8(s->a, u, x0);
+    if (passes == 2) s->b = dot_u8s8(s->b, u, x1);
+#else
+    if (passes == 1) {
+        s->a = dot_u8s8(s->a, u, x0);
+        return;
+    }
+    const vi first = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x0), vi_set1_16(RATIO));
+    const vi second = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x1), vi_set1_16(1));
+    s->a = vi_add32(s->a, vi_add32(first, second));
+#endif
+}
+
+static inline __attribute__((always_inline)) vi sum_total(Sum s, int passes) {
+#if ISA_VNNI
+    return passes == 2 ? vi_add32(vi_mullo32(s.a, vi_set1_32(RATIO)), s.b) : s.a;
+#else
+    (void)passes;
+    return s.a;
+#endif
+}
+
+// The weights of k-group j (inputs 4j..4j+3 of the block) for one strip, as the unsigned side of the dot: Q4
+// nibbles as they are (0..15); Q8_0 with VNNI its int8 values + 128 (the offset is taken off per block);
+// Q8_0 on AVX2 |w| (its signs are moved onto x: sign_x).
+static inline __attribute__((always_inline)) vi weights_u8(int type, const uint8_t *q, int j, vi *signs) {
+    if (type == TYPE_Q8_0) {
+        const vi w = vi_load(q + 64 * j);
+#if ISA_VNNI
+        (void)signs;
+        return vi_xor(w, vi_set1_8(0x80));
+#else
+        *signs = w;
+        return _mm256_sign_epi8(w, w);
+#endif
+    }
+    const vi packed = vi_load(q + 64 * (j & 3));
+    return vi_and(j < 4 ? packed : vi_srli16(packed, 4), vi_set1_8(0x0F));
+}
+
+static inline __attribute__((always_inline)) vi sign_x(int type, vi x, vi signs) {
+#if ISA_VNNI
+    (void)type, (void)signs;
+    return x;
+#else
+    return type == TYPE_Q8_0 ? _mm256_sign_epi8(x, signs) : x;
+#endif
+}
+
+// What the unsigned side adds to each block's sum per unit of sum(x): Q4_0's nibbles are w / d + 8; Q8_0's
+// are w / d + 128 with VNNI. Taken off in int32, so the sum is exactly that of w / d times x.
+static inline int weight_offset(int type) {
+    if (type == TYPE_Q4_0) return 8;
+    return type == TYPE_Q8_0 && ISA_VNNI ? 128 : 0;
+}
+
+// mr rows of x (their quantized passes from xq, per row ``passes * K`` bytes apart) against one strip of W rows,
+// every block: out[i * W + lane] = y of row i of x and row ``lane`` of the strip.
+static inline __attribute__((always_inline)) void strip_q(int type, int mr, int passes, const uint8_t *q,
+                                                            const uint8_t *d, const uint8_t *mins, int64_t nb,
+                                                            const int8_t *xq, int64_t K, const float *xd,
+                                                            const int32_t *xsum, float *out) {
+    const int offset = weight_offset(type);
+    const int64_t qstride = tile_quant_bytes(type);
+    vf acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = vf_zero();
+    for (int64_t b = 0; b < nb; b++, q += qstride) {
+        Sum sum[MR];
+        for (int i = 0; i < mr; i++) sum[i].a = sum[i].b = vi_zero();
+        for (int j = 0; j < 8; j++) {
+            vi signs = vi_zero();
+            const vi u = weights_u8(type, q, j, &signs);
+            for (int i = 0; i < mr; i++) {
+                const int8_t *x = xq + i * passes * K + b * QK + 4 * j;
+                const vi x0 = sign_x(type, vi_bcast32(x), signs);
+                const vi x1 = passes == 2 ? sign_x(type, vi_bcast32(x + K), signs) : x0;
+                sum_add(&sum[i], u, x0, x1, passes);
+            }
+        }
+        const vf scale = vf_half(d + b * TILE * 2);
+        for (int i = 0; i < mr; i++) {
+            vi total = sum_total(sum[i], passes);
+            if (offset) total = vi_sub32(total, vi_set1_32(offset * xsum[i * nb + b]));
+            acc[i] = vf_fma(scale, vf_mul(vf_cvt(total), vf_set1(xd[i * nb + b])), acc[i]);
+            if (type == TYPE_Q4_1)  // w = d q + m: the mins times the block's sum of x
+                acc[i] = vf_fma(vf_half(mins + b * TILE * 2), vf_set1(xd[i * nb + b] * (float)xsum[i * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) vf_store(out + i * W, acc[i]);
+}
+
+static void strip_q_any(int type, int mr, int passes, const uint8_t *q, const uint8_t *d, const uint8_t *mins,
+                        int64_t nb, const int8_t *xq, int64_t K, const float *xd, const int32_t *xsum, float *out) {
+    // constant type, rows and passes per instance, so the sums stay in registers
+#define ROWS(T, P)                                                                                              \
+    switch (mr) {                                                                                               \
+        case 1: strip_q(T, 1, P, q, d, mins, nb, xq, K, xd, xsum, out); break;                                  \
+        case 2: strip_q(T, 2, P, q, d, mins, nb, xq, K, xd, xsum, out); break;                                  \
+        case 3: strip_q(T, 3, P, q, d, mins, nb, xq, K, xd, xsum, out); break;                                  \
+        case 4: strip_q(T, 4, P, q, d, mins, nb, xq, K, xd, xsum, out); break;                                  \
+        default: strip_q(T, MR, P, q, d, mins, nb, xq, K, xd, xsum, out); break;                                \
+    }
+#define TYPES(P)                                                                                                \
+    if (type == TYPE_Q4_0) { ROWS(TYPE_Q4_0, P) }                                                               \
+    else if (type == TYPE_Q4_1) { ROWS(TYPE_Q4_1, P) }                                                          \
+    else { ROWS(TYPE_Q8_0, P) }
+    if (passes == 1) { TYPES(1) } else { TYPES(2) }
+#undef TYPES
+#undef ROWS
+}
+
+// ---------------------------------------------------------------- quantized weights, the fp32 product
+
+// Where integer dots are slower than fp32 FMAs (AVX2 has no vpdpbusd: a 2-pass block takes four multiplies
+// per 32 products, against four FMAs that need no pass over x), a batch of rows multiplies the dequantized
+// weights instead: each weight exactly the fp32 value gguf-py gives, summed in order of the inputs.
+
+// The W rows' weights at input k = 4 j + t of block b, as fp32 vectors (t = 0..3 of k-group j).
+static inline __attribute__((always_inline)) void expand_group(int type, vi u, vf scale, vf min, vf out[4]) {
+    for (int t = 0; t < 4; t++) {
+        vf q;
+        if (type == TYPE_Q8_0) {  // the byte t of each lane, sign-extended
+#if ISA_VNNI
+            q = vf_cvt(_mm512_srai_epi32(_mm512_slli_epi32(u, 24 - 8 * t), 24));
+#else
+            q = vf_cvt(_mm256_srai_epi32(_mm256_slli_epi32(u, 24 - 8 * t), 24));
+#endif
+            out[t] = vf_mul(scale, q);  // d * q, exact
+        } else {
+#if ISA_VNNI
+            q = vf_cvt(vi_and(_mm512_srli_epi32(u, 8 * t), vi_set1_32(0xFF)));
+#else
+            q = vf_cvt(vi_and(_mm256_srli_epi32(u, 8 * t), vi_set1_32(0xFF)));
+#endif
+            out[t] = type == TYPE_Q4_1 ? vf_fma(scale, q, min)                      // d * q + m (d * q is exact)
+                                       : vf_mul(scale, vf_add(q, vf_set1(-8.0f)));  // d * (q - 8)
+        }
+    }
+}
+
+// A group's 16 rows of weights, every input, as fp32: buf[k * 16 + row].
+static inline __attribute__((always_inline)) void expand_group_rows(int type, const uint8_t *group, int64_t nb,
+                                                                      float *buf) {
+    const int64_t qstride = tile_quant_bytes(type);
+    const uint8_t *d = group + nb * qstride, *mins = d + nb * TILE * 2;
+    for (int h = 0; h < STRIPS; h++) {
+        const uint8_t *q = group + h * W * 4;
+        for (int64_t b = 0; b < nb; b++, q += qstride) {
+            const vf scale = vf_half(d + b * TILE * 2 + h * W * 2);
+            const vf min = type == TYPE_Q4_1 ? vf_half(mins + b * TILE * 2 + h * W * 2) : vf_zero();
+            for (int j = 0; j < 8; j++) {
+                vi u;
+                if (type == TYPE_Q8_0) u = vi_load(q + 64 * j);
+                else u = vi_and(j < 4 ? vi_load(q + 64 * j) : vi_srli16(vi_load(q + 64 * (j & 3)), 4), vi_set1_8(0x0F));
+                vf w[4];
+                expand_group(type, u, scale, min, w);
+                for (int t = 0; t < 4; t++) vf_store(buf + (b * QK + 4 * j + t) * TILE + h * W, w[t]);
+            }
+        }
+    }
+}
+
+static void expand_any(int type, const uint8_t *group, int64_t nb, float *buf) {
+    if (type == TYPE_Q4_0) expand_group_rows(TYPE_Q4_0, group, nb, buf);
+    else if (type == TYPE_Q4_1) expand_group_rows(TYPE_Q4_1, group, nb, buf);
+    else expand_group_rows(TYPE_Q8_0, group, nb, buf);
+}
+
+enum { MR_F32 = ISA_VNNI ? 12 : 6 };
+
+// mr rows of x (fp32, K apart) against an expanded group: out[i * 16 + row]. Each output is its inputs' products
+// summed in order, so it does not depend on mr.
+static inline __attribute__((always_inline)) void group_f32(int mr, const float *buf, int64_t K, const float *x,
+                                                             float *out) {
+    vf acc[MR_F32][STRIPS];
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < STRIPS; h++) acc[i][h] = vf_zero();
+    for (int64_t k = 0; k < K; k++) {
+        vf w[STRIPS];
+        for (int h = 0; h < STRIPS; h++) w[h] = *(const vf *)(buf + k * TILE + h * W);
+        for (int i = 0; i < mr; i++) {
+            const vf xv = vf_set1(x[i * K + k]);
+            for (int h = 0; h < STRIPS; h++) acc[i][h] = vf_fma(xv, w[h], acc[i][h]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < STRIPS; h++) vf_store(out + i * TILE + h * W, acc[i][h]);
+}
+
+static void group_f32_any(int mr, const float *buf, int64_t K, const float *x, float *out) {
+    switch (mr) {
+        case 1: group_f32(1, buf, K, x, out); break;
+        case 2: group_f32(2, buf, K, x, out); break;
+        case 3: group_f32(3, buf, K, x, out); break;
+        case 4: group_f32(4, buf, K, x, out); break;
+        case 5: group_f32(5, buf, K, x, out); break;
+        default: group_f32(MR_F32, buf, K, x, out); break;
+    }
+}
+
+// ---------------------------------------------------------------- bf16 weights
+
+// mr rows of x as bf16 passes (per row ``passes * K`` values) against one strip: two running sums per row (even
+// and odd pairs of inputs, added at the end), so a dot's latency does not bound a lone row.
+static inline __attribute__((always_inline)) void strip_bf16(int mr, int passes, const uint8_t *w, int64_t K,
+                                                               const uint16_t *xb, float *out) {
+    vf acc[MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = vf_zero();
+    for (int64_t k = 0; k < K; k += 2) {
+        const vi wv = vi_load(w + (k / 2) * TILE * 4);
+        const int parity = (int)(k / 2) & 1;
+        for (int i = 0; i < mr; i++) {
+            const uint16_t *x = xb + i * passes * K + k;
+            acc[i][parity] = dot_bf16(acc[i][parity], wv, vi_bcast32(x));
+            if (passes == 2) acc[i][parity] = dot_bf16(acc[i][parity], wv, vi_bcast32(x + K));
+        }
+    }
+    for (int i = 0; i < mr; i++) vf_store(out + i * W, vf_add(acc[i][0], acc[i][1]));
+}
+
+static void strip_bf16_any(int mr, int passes, const uint8_t *w, int64_t K, const uint16_t *xb, float *out) {
+#define ROWS(P)                                                                                                 \
+    switch (mr) {                                                                                               \
+        case 1: strip_bf16(1, P, w, K, xb, out); break;                                                         \
+        case 2: strip_bf16(2, P, w, K, xb, out); break;                                                         \
+        case 3: strip_bf16(3, P, w, K, xb, out); break;                                                         \
+        case 4: strip_bf16(4, P, w, K, xb, out); break;                                                         \
+        default: strip_bf16(MR, P, w, K, xb, out); break;                                                       \
+    }
+    if (passes == 1) { ROWS(1) } else { ROWS(2) }
+#undef ROWS
+}
+
+// fp32 -> bf16, rounded to nearest even (NaN stays NaN).
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// ---------------------------------------------------------------- entry points
+
+int tile_supported(int type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_BF16; }
+
+// Most rows of x a quantized weight multiplies with integer dots; more take the fp32 product (AVX2: from 4 rows
+// FMAs are faster; with VNNI, never).
+int tile_int8_max_rows(void) { return ISA_VNNI ? 1 << 30 : 3; }
+
+// What the kernels were compiled for: 2 AVX2, 512 AVX512-VNNI (bf16 dots emulated), 513 with AVX512-BF16.
+int tile_isa(void) { return ISA_VNNI ? (ISA_BF16 ? 513 : 512) : 2; }
+
+static inline int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// Bytes of work memory tile_gemm needs for M rows of K on ``threads`` threads.
+int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads) {
+    const int64_t nb = K / QK;
+    return round64(passes * M * K * 2) + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))) +
+           (int64_t)threads * round64(K * TILE * (int64_t)sizeof(float)) + 64;
+}
+
+// y (M, N) = x (M, K) @ W^T, W (N, K) in tiles (tile_repack). ``passes``: 1 or 2 (see the top). ``work``:
+// tile_work_bytes of scratch for omp_get_max_threads() threads, or NULL (allocated here). Returns 0, or -1 on
+// an unsupported type or shape.
+int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes,
+              void *work) {
+    if (!tile_supported(type) || K % QK != 0 || K <= 0 || M < 1 || N < 1 || passes < 1 || passes > 2) return -1;
+    const int threads = omp_get_max_threads();
+    void *owned = NULL;
+    if (work == NULL) work = owned = aligned_alloc(64, round64(tile_work_bytes(M, K, passes, threads)));
+    if (work == NULL) return -1;
+    work = (void *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
+    const int64_t nb = K / QK, groups = (N + TILE - 1) / TILE, row_bytes = nb * block_bytes(type);
+    const int dense = type == TYPE_BF16, dots = dense || M <= tile_int8_max_rows();
+    int8_t *xq = work;  // (M, passes, K) int8, or (M, passes, K) bf16
+    float *xd = (float *)((uint8_t *)work + round64(passes * M * K * 2));
+    int32_t *xsum = (int32_t *)(xd + M * nb);
+    float *expanded = (float *)((uint8_t *)xd + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))));
+    if (dense) {
+        uint16_t *xb = (uint16_t *)xq;
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) {
+                const float v = x[m * K + k];
+                const uint16_t hi = to_bf16(v);
+                xb[m * passes * K + k] = hi;
+                if (passes == 2) xb[m * passes * K + K + k] = to_bf16(v - from_bf16(hi));
+            }
+    } else if (dots) {
+        quantize_rows(x, M, K, passes, xq, xd, xsum);
+    }
+    if (!dots) {  // the fp32 product, a group of 16 rows per item
+#pragma omp parallel
+        {
+            float *buf = expanded + omp_get_thread_num() * (round64(K * TILE * (int64_t)sizeof(float)) / sizeof(float));
+            float out[MR_F32 * TILE] __attribute__((aligned(64)));
+#pragma omp for schedule(guided)
+            for (int64_t g = 0; g < groups; g++) {
+                expand_any(type, w + g * TILE * row_bytes, nb, buf);
+                const int64_t n0 = g * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
+                for (int64_t m0 = 0; m0 < M; m0 += MR_F32) {
+                    const int mr = (int)(M - m0 < MR_F32 ? M - m0 : MR_F32);
+                    group_f32_any(mr, buf, K, x + m0 * K, out);
+                    for (int i = 0; i < mr; i++) memcpy(y + (m0 + i) * N + n0, out + i * TILE, valid * sizeof(float));
+                }
+            }
+        }
+        free(owned);
+        return 0;
+    }
+#pragma omp parallel for schedule(guided)
+    for (int64_t s = 0; s < groups * STRIPS; s++) {
+        const int64_t g = s / STRIPS, h = s % STRIPS, n0 = g * TILE + h * W;
+        if (n0 >= N) continue;
+        const uint8_t *group = w + g * TILE * row_bytes, *q = group + h * W * 4;
+        const uint8_t *d = group + nb * tile_quant_bytes(type) + h * W * 2;
+        const uint8_t *mins = type == TYPE_Q4_1 ? d + nb * TILE * 2 : NULL;
+        float out[MR * W] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            if (dense) strip_bf16_any(mr, passes, q, K, (const uint16_t *)xq + m0 * passes * K, out);
+            else strip_q_any(type, mr, passes, q, d, mins, nb, xq + m0 * passes * K, K, xd + m0 * nb, xsum + m0 * nb, out);
+            const int64_t valid = N - n0 < W ? N - n0 : W;
+            for (int i = 0; i < mr; i++) memcpy(y + (m0 + i) * N + n0, out + i * W, valid * sizeof(float));
+        }
+    }
+    free(owned);
+    return 0;
+}
+
+// GGUF rows (N, nb * block bytes; or dense bf16 rows (N, K)) -> tiles, into out (ceil(N / 16) * 16 rows of the
+// same bytes). Returns 0, or -1 on an unsupported type or K.
+int tile_repack(int type, const uint8_t *rows, int64_t N, int64_t K, uint8_t *out) {
+    if (!tile_supported(type) || K % QK != 0 || K <= 0) return -1;
+    const int64_t nb = K / QK, bb = block_bytes(type), row_bytes = nb * bb, groups = (N + TILE - 1) / TILE;
+    memset(out, 0, groups * TILE * row_bytes);
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *src = rows + n * row_bytes;
+        uint8_t *group = out + (n / TILE) * TILE * row_bytes;
+        const int64_t r = n % TILE;
+        if (type == TYPE_BF16) {
+            for (int64_t k = 0; k < K; k++) memcpy(group + (k / 2) * TILE * 4 + r * 4 + (k % 2) * 2, src + 2 * k, 2);
+            continue;
+        }
+        const int64_t qb = tile_quant_bytes(type);
+        uint8_t *d = group + nb * qb, *mins = d + nb * TILE * 2;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + b * bb;
+            memcpy(d + b * TILE * 2 + r * 2, blk, 2);
+            if (type == TYPE_Q4_1) memcpy(mins + b * TILE * 2 + r * 2, blk + 2, 2);
+            const uint8_t *qs = blk + bb - quant_bytes(type);
+            for (int j = 0; j < quant_bytes(type) / 4; j++) memcpy(group + b * qb + 64 * j + 4 * r, qs + 4 * j, 4);
+        }
+    }
+    return 0;
+}
+
+// The fp32 values of the given rows of a tiled weight: out[i, K] for each index in rows (embedding lookups).
+int tile_dequant_rows(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t count, float *out) {
+    if (!tile_supported(type) || K % QK != 0) return -1;
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t n = rows[i], r = n % TILE;
+        const uint8_t *group = w + (n / TILE) * TILE * row_bytes;
+        float *o = out + i * K;
+        if (type == TYPE_BF16) {
+            for (int64_t k = 0; k < K; k++) {
+                uint16_t h;
+                memcpy(&h, group + (k / 2) * TILE * 4 + r * 4 + (k % 2) * 2, 2);
+                o[k] = from_bf16(h);
+            }
+            continue;
+        }
+        const int64_t qb = tile_quant_bytes(type);
+        const uint8_t *d = group + nb * qb, *mins = d + nb * TILE * 2;
+        for (int64_t b = 0; b < nb; b++) {
+            const float scale = fp16_to_fp32(d + b * TILE * 2 + r * 2);
+            const uint8_t *q = group + b * qb + 4 * r;
+            for (int k = 0; k < QK; k++) {
+                float v;
+                if (type == TYPE_Q8_0) {
+                    v = scale * (float)(int8_t)q[64 * (k / 4) + k % 4];  // exact, as gguf-py's d * q
+                } else {
+                    const int low = k < 16, at = 64 * ((k % 16) / 4) + k % 4;
+                    const int nibble = low ? q[at] & 0x0F : q[at] >> 4;
+                    v = type == TYPE_Q4_1 ? scale * (float)nibble + fp16_to_fp32(mins + b * TILE * 2 + r * 2)
+                                          : scale * (float)(nibble - 8);
+                }
+                o[b * QK + k] = v;
+            }
+        }
+    }
+    return 0;
+}

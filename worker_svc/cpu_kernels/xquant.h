@@ -1,0 +1,78 @@
+// x quantized per block of 32 to int8, for the integer dot products of the fast numerics (tiles.c).
+//
+// As ggml does for Q8: dx = max|x| / 127, xq = round(x / dx). One pass keeps 8 bits of each block (relative
+// ~0.4 % per element: top-1 agreed with transformers on 95.6 % of the default model's positions), so the fast
+// mode quantizes in two passes, the second taking what the first left (~15 bits): x ~ dx q_0 + (dx / 254) q_1,
+// |rest| <= dx / 2 so q_1 is in [-127, 127]. The fixed ratio lets a block's two integer dots be summed in int32
+// (254 dot_0 + dot_1) before the one conversion to float.
+#pragma once
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "simd.h"
+
+enum { RATIO = 254 };
+
+// One block of 32 floats -> 32 int8 (xq) with its scale; returns the sum of the int8 values.
+static inline int32_t quantize_block(const float *x, int8_t *xq, float *scale) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4];
+    __m256i total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        total = _mm256_add_epi32(total, q[i]);
+    }
+    // 4 x 8 int32 -> 32 int8 in order (packs interleave 128-bit lanes; the permute undoes it)
+    __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i p = _mm256_packs_epi16(p01, p23);
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)xq, p);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_hadd_epi32(t, t);
+    t = _mm_hadd_epi32(t, t);
+    *scale = d;
+    return _mm_cvtsi128_si32(t);
+}
+
+// M rows of K (a multiple of 32) -> xq (M, passes, K) int8; per row m and block b: xd[m nb + b] the scale of one
+// unit of the combined sum (dx, or dx / 254 for two passes), xsum[m nb + b] the block's combined sum of its int8
+// values (sum q_0, or 254 sum q_0 + sum q_1), so that x's block sums to xd * xsum.
+static void quantize_rows(const float *x, int64_t M, int64_t K, int passes, int8_t *xq, float *xd, int32_t *xsum) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * K + b * 32;
+            int8_t *q0 = xq + m * passes * K + b * 32;
+            float d;
+            const int32_t sum0 = quantize_block(xb, q0, &d);
+            xd[m * nb + b] = d;
+            xsum[m * nb + b] = sum0;
+            if (passes == 1) continue;
+            const float d2 = d / RATIO, id2 = d2 != 0.0f ? 1.0f / d2 : 0.0f;
+            int8_t *q1 = q0 + K;
+            int32_t sum1 = 0;
+            for (int i = 0; i < 32; i++) {
+                const float rest = xb[i] - d * (float)q0[i];
+                int32_t q = (int32_t)lrintf(rest * id2);
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                q1[i] = (int8_t)q;
+                sum1 += q;
+            }
+            xd[m * nb + b] = d2;
+            xsum[m * nb + b] = RATIO * sum0 + sum1;
+        }
+    }
+}
