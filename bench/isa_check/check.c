@@ -1,7 +1,8 @@
 // The fast numerics' tile kernels (worker_svc/cpu_kernels/tiles.c) built for two instruction sets and checked
 // against each other and against a product in double precision: linked from a build for AVX2 (``avx2_``
 // names, the set the test suite checks against gguf-py and transformers) and one for the set under test
-// (``isa_`` names). Run by bench/isa_check.py, natively or in an emulator of a CPU this machine is not.
+// (``isa_`` names). Run by bench/isa_check.py: natively, or on bare metal (boot.S, runtime.c) in an emulator of
+// a CPU this machine is not.
 //
 // Checks, for Q4_0, Q4_1, Q8_0 and BF16, 1 and 2 passes of x, many row counts and shapes with tails:
 //   - both builds lay out the same tiles and expand the same fp32 values;
