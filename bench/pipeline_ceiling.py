@@ -3,13 +3,16 @@ negligible, served through the real stack (frontend, scheduler, worker, detokeni
 
     python bench/pipeline_ceiling.py                      # 1, 32 and 128 streams
     python bench/pipeline_ceiling.py --streams 128 --max-tokens 128
+    python bench/pipeline_ceiling.py --streams 1 128 --profile /tmp/prof   # and where each process spends it
 
 The model is made here: a 1-layer Llama with hidden size 64 and random weights, with the default
 model's tokenizer (vocabulary 49,152), written as a Hugging Face folder in a temporary directory.
 For each level, ``streams`` clients stream at once (greedy, ``ignore_eos``, 16-token prompts); the
 table gives output tokens/s and each process's CPU time per output token (user + system, from
 /proc), the benchmark client's own included. On a GPU host this per-token CPU is what caps
-throughput.
+throughput. ``--profile DIR`` samples every service with py-spy (``pip install py-spy``; not a dependency) during
+each level, writes its collapsed stacks to ``DIR/<streams>-<process>.txt`` and prints each process's functions
+with the most samples of their own and in total.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+from worker_svc.config import NUMERICS  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -82,6 +90,43 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
+def start_profiles(pids: dict[str, int], folder: Path, tag: str) -> list[tuple[subprocess.Popen, Path]]:
+    """py-spy on every service process, until ``report_profiles``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    running = []
+    for name, pid in pids.items():
+        if name in ("redis", "client"):
+            continue
+        out = folder / f"{tag}-{name}.txt"
+        proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+                                 "--nonblocking", "--output", str(out)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        running.append((proc, out))
+    time.sleep(1.0)  # py-spy attaches
+    return running
+
+
+def report_profiles(running: list[tuple[subprocess.Popen, Path]], top: int = 8) -> None:
+    """Stop the samplers and print, per process, the functions with the most samples (own, and in total)."""
+    for proc, _ in running:
+        proc.send_signal(signal.SIGINT)
+    for proc, out in running:
+        proc.wait(timeout=60)
+        own, total, samples = Counter(), Counter(), 0
+        for line in out.read_text().splitlines() if out.exists() else []:
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            frames = [f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].rstrip(")") for f in stack.split(";")]
+            samples += int(count)
+            own[frames[-1]] += int(count)
+            for f in set(frames):
+                total[f] += int(count)
+        print(f"  {out.name}: {samples} samples")
+        for (f, n), (g, m) in zip(own.most_common(top), total.most_common(top)):
+            print(f"    own {100 * n / max(samples, 1):5.1f}%  {f[:60]:<60}  total {100 * m / max(samples, 1):5.1f}%  {g[:70]}")
+
+
 def level(client: Client, pids: dict[str, int], streams: int, requests: int, max_tokens: int) -> dict:
     prompt = " ".join(["hello"] * 16)
 
@@ -107,11 +152,14 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--model", default="tiny", help="'tiny' (made here), or any --model of `conveyor up` "
                         "('default': where the worker's arithmetic shows next to the pipeline's)")
-    parser.add_argument("--numerics", choices=["exact", "fast"], default="fast")
+    parser.add_argument("--numerics", choices=tuple(NUMERICS), default="fast")
     parser.add_argument("--tokenizer", default="default", help="the tiny model's tokenizer: that of this --model")
     parser.add_argument("--internal-tls", action=argparse.BooleanOptionalAction, default=True,
                         help="internal mutual TLS, as conveyor up by default (--no-internal-tls: plain gRPC)")
+    parser.add_argument("--profile", type=Path, help="sample each service with py-spy into this folder")
     args = parser.parse_args()
+    if args.profile and not shutil.which("py-spy"):
+        parser.error("--profile needs py-spy on PATH (pip install py-spy)")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny-llama", args.tokenizer) if args.model == "tiny" else args.model
         stack = start(UpConfig.of(model=str(model), port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0,
@@ -129,10 +177,13 @@ def main() -> None:
                 print(f"{what}, {args.max_tokens} output tokens per request, {os.cpu_count()} cores")
                 print(f"{'streams':>8}{'tok/s':>10}   CPU ms per output token: " + "".join(f"{n:>12}" for n in names))
                 for streams in args.streams:
+                    profiles = start_profiles(pids, args.profile, str(streams)) if args.profile else []
                     r = level(client, pids, streams, streams * args.requests_per_stream, args.max_tokens)
                     cpu = r["cpu_ms_per_token"]
                     print(f"{streams:>8}{r['tokens_per_second']:10.1f}{'':28}" + "".join(f"{cpu[n]:12.3f}" for n in names),
                           flush=True)
+                    if profiles:
+                        report_profiles(profiles)
         finally:
             stack.stop()
 

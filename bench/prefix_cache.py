@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+from worker_svc.config import NUMERICS  # noqa: E402
 from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 
 TOPICS = ["billing", "refunds", "shipping", "privacy", "accounts", "security", "warranty", "returns", "support",
@@ -122,7 +123,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4, help="0: skip the multi-turn workload")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--numerics", default="fast", choices=("exact", "fast"))
+    parser.add_argument("--numerics", default="fast", choices=tuple(NUMERICS))
     args = parser.parse_args()
     rows: dict[str, dict[str, dict]] = {}
     for cache in (True, False):

@@ -30,6 +30,7 @@ from conveyor.client import Client  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 from conveyor.params import SamplingParams  # noqa: E402
+from worker_svc.config import NUMERICS  # noqa: E402
 from worker_svc.graphs import CudaGraph  # noqa: E402
 from worker_svc.kv_cache import KVCache  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating served / bare rounds per concurrency")
-    parser.add_argument("--numerics", choices=("exact", "fast"), default="fast", help="the worker's --numerics (both sides)")
+    parser.add_argument("--numerics", choices=tuple(NUMERICS), default="fast", help="the worker's --numerics (both sides)")
     parser.add_argument("--model", default="default", help="any --model of `conveyor up` (both sides)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides; on a GPU in bf16, flex attention "
                         "and CUDA graphs, as the worker serves)")

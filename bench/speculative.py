@@ -28,6 +28,7 @@ from conveyor.bench import speculation_prompts  # noqa: E402
 from conveyor.client import Client  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
+from worker_svc.config import NUMERICS  # noqa: E402
 from conveyor.metrics import scrape, value  # noqa: E402
 
 def counters(address: str) -> dict[str, float]:
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--prompts-per-kind", type=int, default=20)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--numerics", choices=["exact", "fast"], default="fast")
+    parser.add_argument("--numerics", choices=tuple(NUMERICS), default="fast")
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--spec-max-batch", type=int, default=8)
     parser.add_argument("--kv-cache-bytes", type=parse_size, default=parse_size("512M"))

@@ -23,7 +23,8 @@ import time
 import torch
 
 from conveyor.params import SamplingParams
-from worker_svc.config import ATTENTION
+from worker_svc import cpu_kernels
+from worker_svc.config import ATTENTION, CPU_ISAS, NUMERICS
 from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.loader import load_model
@@ -156,15 +157,17 @@ def main() -> None:
     parser.add_argument("--model", default="default", help="'default', a .gguf file or a Hugging Face folder")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--numerics", choices=("exact", "fast"), default="exact",
+    parser.add_argument("--numerics", choices=tuple(NUMERICS), default="exact",
                         help="the worker's --numerics (transformers always computes the exact product)")
     parser.add_argument("--attention", choices=ATTENTION, default="auto", help="the worker's --attention")
+    parser.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto", help="the worker's --cpu-isa")
     parser.add_argument("--no-graphs", action="store_true", help="on a GPU: every decode step eager (--no-cuda-graphs)")
     parser.add_argument("--generate", action="store_true",
                         help="also time transformers' generate() per decoded token (the issue's batch-1 yardstick)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    cpu_kernels.use_isa(args.cpu_isa)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     loaded = load_model(args.model, device=device, dtype=dtype, attention=args.attention, numerics=args.numerics)
     need = max(args.batches) * ((max(args.contexts) + args.steps + 2 + 16) // 16 + 1)
@@ -176,7 +179,7 @@ def main() -> None:
     hf = None if args.no_hf else load_hf(args.model, dtype, device)
     vocab = loaded.config.vocab_size
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
-    path = "CPU kernels" if runner.attention == "native" else f"{runner.attention} attention" + \
+    path = f"CPU kernels ({cpu_kernels.isa()}, {args.numerics})" if runner.attention == "native" else f"{runner.attention} attention" + \
         (", CUDA graphs" if runner.graphs else "")
     print(f"model {loaded.name}, {dtype}, {device} ({where}), {path}, KV {need} blocks x "
           f"{bytes_per_block(loaded.config, 16, dtype)} B")

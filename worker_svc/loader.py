@@ -24,7 +24,7 @@ from conveyor.gguf_file import GGUFFile
 from conveyor.model_files import ModelFileError, resolve_model
 from conveyor.tokenizer import ModelTokenizer, load_tokenizer
 from worker_svc import cpu_kernels
-from worker_svc.config import ATTENTION
+from worker_svc.config import ATTENTION, NUMERICS
 from worker_svc.cpu_kernels import QUANTIZE, QUANTIZED
 from worker_svc.model import LlamaModel, ModelConfig
 from worker_svc.packed import PackedEmbedding, PackedLinear
@@ -32,7 +32,6 @@ from worker_svc.packed import PackedEmbedding, PackedLinear
 log = logging.getLogger(__name__)
 
 SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
-NUMERICS = ("exact", "fast")
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
 # GGUF quant types we promise to read (gguf.quants can dequantize more; those are accepted too).
 GGUF_BASE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -75,7 +74,7 @@ def load_model(
     ``numerics``: "exact" computes the dequantized fp32 product (logits within 1e-4 of
     transformers); "fast" keeps quantized weights in tiles and multiplies them with integer dots, the activations
     quantized in two int8 passes per block of 32, and bf16 weights with bf16 dots where the CPU has them
-    (``worker_svc/cpu_kernels/tiles.c``).
+    (``worker_svc/cpu_kernels/tiles.c``); "int8" as fast, the activations in one int8 pass (as llama.cpp).
     """
     if numerics not in NUMERICS:
         raise ValueError(f"--numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -157,9 +156,9 @@ def _install_packed(model: LlamaModel, state: dict[str, torch.Tensor], config: M
         name = key.removesuffix(".qweight")
         qweight, qtype = state.pop(key), int(state.pop(f"{name}.qtype"))
         tiles = cpu_kernels.tiled(qtype, numerics)
-        # the fast numerics' passes of x: two int8 blocks (~15 bits) for quantized weights; one bf16 for bf16
+        # the passes of x: NUMERICS' int8 blocks (fast: two, ~15 bits) for quantized weights; one bf16 for bf16
         # weights (what transformers and vLLM compute in bf16)
-        passes = (2 if qtype in QUANTIZED else 1) if tiles else 0
+        passes = (NUMERICS[numerics] if qtype in QUANTIZED else 1) if tiles else 0
         if name == "embed_tokens":  # laid out once: lm_head may share it
             qweight = cpu_kernels.kernel_layout(qweight, qtype, config.hidden_size, tiles)
             model.embed_tokens = PackedEmbedding(qweight, qtype, config.hidden_size, tiles)

@@ -219,9 +219,9 @@ def bf16_dots() -> bool:
 
 
 def tiled(qtype: int, numerics: str) -> bool:
-    """Whether a weight of ``qtype`` is kept in tiles (``tiles.c``) under ``numerics``: the fast numerics' quantized
-    weights, and its bf16 weights where the CPU has bf16 dot products; else rows (the exact product)."""
-    return numerics == "fast" and (qtype in QUANTIZED or (qtype == DENSE[torch.bfloat16] and bf16_dots()))
+    """Whether a weight of ``qtype`` is kept in tiles (``tiles.c``) under ``numerics``: quantized weights under
+    every numerics but exact, and bf16 weights where the CPU has bf16 dot products; else rows (the exact product)."""
+    return numerics != "exact" and (qtype in QUANTIZED or (qtype == DENSE[torch.bfloat16] and bf16_dots()))
 
 
 def dense_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
