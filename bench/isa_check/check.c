@@ -145,6 +145,7 @@ int main(void) {
         for (int passes = 1; passes <= 2; passes++) {
             check(types[i], 83, 320, passes);
             check(types[i], 32, 64, passes);
+            check(types[i], 40, 96, passes);  // an odd number of tiles (VNNI takes two at a time)
         }
     printf("isa_check: %s (%d failures)\n", failures ? "FAILED" : "PASSED", failures);
     return failures != 0;
