@@ -78,12 +78,12 @@ def test_tiles_multiply_any_number_of_rows_and_a_row_does_not_depend_on_the_othe
     qweight, dense = _quantized(qtype, n, k, seed=passes, tiles=True)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(passes)) * 2
     alone = torch.cat([cpu_kernels.qgemm(x[i : i + 1], qweight, int(qtype), n, passes) for i in range(70)])
-    dots = qtype == Q.BF16 or 70 <= cpu_kernels.int8_max_rows()
+    dots = qtype == Q.BF16 or 70 <= cpu_kernels.int8_max_rows(passes)
     for m in [1, 2, 3, 4, 5, 8, 9, 13, 17, 33, 70]:
         y = cpu_kernels.qgemm(x[:m], qweight, int(qtype), n, passes)
         exact = (x[:m].double() @ dense.double().T).float()
         error = float((y - exact).norm() / exact.norm())
-        if qtype == Q.BF16 or m <= cpu_kernels.int8_max_rows():
+        if qtype == Q.BF16 or m <= cpu_kernels.int8_max_rows(passes):
             assert error < FAST_ERROR.get(qtype, FAST_ERROR["int8"])[passes], (m, error)
             assert torch.equal(y, alone[:m]), m
         else:
@@ -104,7 +104,7 @@ def test_every_instruction_set_gives_the_same_fast_product(qtype):
         cpu_kernels.use_isa(name)
         try:
             qweight, _ = _quantized(qtype, n, k, seed=7, tiles=True)
-            results[name] = cpu_kernels.qgemm(x[: min(5, cpu_kernels.int8_max_rows())], qweight, int(qtype), n, 2)
+            results[name] = cpu_kernels.qgemm(x[: min(5, cpu_kernels.int8_max_rows(2))], qweight, int(qtype), n, 2)
         finally:
             cpu_kernels.use_isa("auto")
     first = results.pop("avx2")

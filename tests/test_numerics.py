@@ -91,7 +91,7 @@ def test_fast_numerics_agree_with_transformers_teacher_forced(fast_model, hf_mod
     texts = [tok.encode((ROOT / name).read_text())[:POSITIONS] for name in TEXTS]
     agree, total, errors = 0, 0, []
     for pair in (texts[:2], texts[2:]):  # 2 rows a step: integer dots on every instruction set
-        assert len(pair) <= cpu_kernels.int8_max_rows()
+        assert len(pair) <= cpu_kernels.int8_max_rows(2)
         preds, logprobs = _teacher_forced(fast_model, pair)
         for ids, pred, lp in zip(pair, preds, logprobs):
             reference = torch.log_softmax(hf_logits(hf_model, ids[:-1]), dim=-1)
@@ -112,10 +112,8 @@ def test_the_int8_numerics_take_x_in_one_pass_at_the_accuracy_the_readme_gives(h
     text = loaded.tokenizer.encode((ROOT / TEXTS[0]).read_text())[:POSITIONS]
     agreement = _prefill_agreement(loaded, hf_model, [text])
     print(f"int8 numerics ({cpu_kernels.isa()}): top-1 agreement with transformers {agreement:.4f} over {len(text)}")
-    if len(text) <= cpu_kernels.int8_max_rows():  # one prefill of every position: integer dots (VNNI)
-        assert 0.9 <= agreement < 0.99  # README: 96 % (fast: 99.9 %)
-    else:  # AVX2 multiplies so many rows in fp32 (the dequantized weights), as under fast
-        assert agreement > 0.99
+    assert len(text) <= cpu_kernels.int8_max_rows(1)  # one prefill of every position: integer dots, any CPU
+    assert 0.9 <= agreement < 0.99  # README: 96 % (fast: 99.9 %)
 
 
 # ---------------------------------------------------------------- a Hugging Face folder: as stored, or --quantize

@@ -21,7 +21,7 @@
     int prefix##tile_repack(int, const uint8_t *, int64_t, int64_t, uint8_t *);                                 \
     int prefix##tile_dequant_rows(int, const uint8_t *, int64_t, const int64_t *, int64_t, float *);            \
     int prefix##tile_isa(void);                                                                                 \
-    int prefix##tile_int8_max_rows(void);
+    int prefix##tile_int8_max_rows(int passes);
 DECLARE(avx2_)
 DECLARE(isa_)
 
@@ -118,7 +118,7 @@ static void check(int type, int64_t N, int64_t K, int passes) {
                 err += (y[i * N + n] - s) * (y[i * N + n] - s), norm += s * s;
             }
             isa_tile_gemm(type, x + i * K, 1, K, t, N, alone, passes, NULL);
-            const int dots = type == BF16 || m <= isa_tile_int8_max_rows();  // more: the fp32 product
+            const int dots = type == BF16 || m <= isa_tile_int8_max_rows(passes);  // more: the fp32 product
             CHECK(!dots || memcmp(alone, y + i * N, N * sizeof(float)) == 0, "%s P%d: row %lld of %lld differs from it alone",
                   name, passes, (long long)i, (long long)m);
             avx2_tile_gemm(type, x + i * K, 1, K, t2, N, ref, passes, NULL);
@@ -138,8 +138,8 @@ static void check(int type, int64_t N, int64_t K, int passes) {
 }
 
 int main(void) {
-    printf("isa_check: tiles built for %d against AVX2 (%d); integer dots up to %d rows there\n", isa_tile_isa(),
-           avx2_tile_isa(), avx2_tile_int8_max_rows());
+    printf("isa_check: tiles built for %d against AVX2 (%d); integer dots up to %d rows there with two passes\n", isa_tile_isa(),
+           avx2_tile_isa(), avx2_tile_int8_max_rows(2));
     const int types[] = {Q4_0, Q4_1, Q8_0, BF16};
     for (int i = 0; i < 4; i++)
         for (int passes = 1; passes <= 2; passes++) {

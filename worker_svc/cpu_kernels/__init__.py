@@ -162,6 +162,7 @@ def _library(wanted: str = "auto") -> tuple[ctypes.CDLL | None, str, str]:
     lib.tile_supported.argtypes = [ctypes.c_int]
     lib.tile_supported.restype = ctypes.c_int
     lib.tile_isa.restype = ctypes.c_int
+    lib.tile_int8_max_rows.argtypes = [ctypes.c_int]
     lib.tile_int8_max_rows.restype = ctypes.c_int
     lib.decoder_scratch.argtypes = [ctypes.POINTER(Dims), i64]
     lib.decoder_scratch.restype = i64
@@ -206,10 +207,11 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def int8_max_rows() -> int:
-    """Most rows of x a tiled quantized weight multiplies with integer dots; more take the fp32 product of its
-    dequantized values (AVX2, from 4 rows: faster there without vpdpbusd). Unbounded with VNNI."""
-    return _lib().tile_int8_max_rows()
+def int8_max_rows(passes: int = 2) -> int:
+    """Most rows of x a tiled quantized weight multiplies with integer dots in ``passes`` passes of x; more take
+    the fp32 product of its dequantized values (AVX2 with two passes, from 4 rows: faster there without
+    vpdpbusd). Unbounded with VNNI, and with one pass."""
+    return _lib().tile_int8_max_rows(passes)
 
 
 def bf16_dots() -> bool:
