@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
-from worker_svc.config import NUMERICS  # noqa: E402
 from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from worker_svc.config import NUMERICS  # noqa: E402
 
 TOPICS = ["billing", "refunds", "shipping", "privacy", "accounts", "security", "warranty", "returns", "support",
           "discounts", "gift cards", "subscriptions", "invoices", "deliveries", "passwords", "complaints"]

@@ -55,8 +55,8 @@ from conveyor.bench import BenchConfig, ConveyorBackend, OpenAIBackend, summariz
 from conveyor.cache import cache_root  # noqa: E402
 from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
-from worker_svc.config import NUMERICS  # noqa: E402
 from conveyor.model_files import default_model_path  # noqa: E402
+from worker_svc.config import NUMERICS  # noqa: E402
 
 WORKLOADS = {  # name: (streams, prompt tokens, output tokens, requests)
     "a": (1, 128, 128, 8),

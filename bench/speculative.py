@@ -28,8 +28,8 @@ from conveyor.bench import speculation_prompts  # noqa: E402
 from conveyor.client import Client  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
-from worker_svc.config import NUMERICS  # noqa: E402
 from conveyor.metrics import scrape, value  # noqa: E402
+from worker_svc.config import NUMERICS  # noqa: E402
 
 def counters(address: str) -> dict[str, float]:
     """The scheduler's speculation counters."""

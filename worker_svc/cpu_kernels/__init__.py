@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from conveyor.cache import cache_root, write_atomic
+from worker_svc.config import NUMERICS
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def int8_max_rows(passes: int = 2) -> int:
+def int8_max_rows(passes: int) -> int:
     """Most rows of x a tiled quantized weight multiplies with integer dots in ``passes`` passes of x; more take
     the fp32 product of its dequantized values (AVX2 with two passes, from 4 rows: faster there without
     vpdpbusd). Unbounded with VNNI, and with one pass."""
@@ -223,7 +224,7 @@ def bf16_dots() -> bool:
 def tiled(qtype: int, numerics: str) -> bool:
     """Whether a weight of ``qtype`` is kept in tiles (``tiles.c``) under ``numerics``: quantized weights under
     every numerics but exact, and bf16 weights where the CPU has bf16 dot products; else rows (the exact product)."""
-    return numerics != "exact" and (qtype in QUANTIZED or (qtype == DENSE[torch.bfloat16] and bf16_dots()))
+    return NUMERICS[numerics] > 0 and (qtype in QUANTIZED or (qtype == DENSE[torch.bfloat16] and bf16_dots()))
 
 
 def dense_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
