@@ -46,14 +46,24 @@ def delta_to_pb(d: Delta) -> frontend_pb2.Delta:
 class Channels:
     """One channel per frontend address, and one ``Deliver`` stream on it, opened on first use (the stream again
     after a failure, on the same channel). A frontend that just failed is left alone for ``DOWN_SECONDS`` (a
-    host that drops packets would otherwise hold every step for the answer's timeout)."""
+    host that drops packets would otherwise hold every step for the answer's timeout).
+
+    What a frontend could not take is held here (``hold``) and sent again before anything newer (``held``):
+    Redis may no longer have it to replay (it lost its data, or a finished record expired), so a frontend that
+    was only stalled or restarting still gets every delta. Deltas carry their offsets, so one it already had
+    is dropped there. What is held for longer than ``keep_for`` seconds is dropped (its requests are orphans by
+    then: ``Orphans``)."""
 
     DOWN_SECONDS = 1.0
+    ANSWER_SECONDS = 5.0  # a frontend that does not answer a batch within this is taken as down
 
-    def __init__(self):
+    def __init__(self, keep_for: float = 30.0):
+        self.keep_for = keep_for
         self._stubs: dict[str, frontend_pb2_grpc.FrontendStub] = {}  # one channel per address, kept
         self._streams: dict[str, grpc_util.AnsweredStream] = {}
         self._down_until: dict[str, float] = {}
+        self._held: dict[str, tuple[float, list[Delta]]] = {}  # address -> (since, deltas not delivered)
+        self._sending: dict[str, threading.Lock] = {}  # one batch in flight per frontend: answers stay paired
         self._lock = threading.Lock()
 
     def is_down(self, address: str) -> bool:
@@ -73,6 +83,32 @@ class Channels:
             if address not in self._streams:
                 self._streams[address] = grpc_util.AnsweredStream(self._stubs[address].Deliver, "deliver")
             return self._streams[address]
+
+    def sending(self, address: str) -> threading.Lock:
+        """Held while a batch goes to ``address`` and its answer comes back (Push threads and the resender)."""
+        with self._lock:
+            return self._sending.setdefault(address, threading.Lock())
+
+    def hold(self, address: str, deltas: list[Delta], since: float | None = None) -> None:
+        """Keep deltas ``address`` could not take (``since``: when the oldest of them first failed)."""
+        now = time.monotonic()
+        since = now if since is None else since
+        if now - since > self.keep_for:
+            log.warning("dropped %d deltas frontend %s could not take for %.0f s", len(deltas), address, now - since)
+            return
+        with self._lock:
+            earlier, held = self._held.pop(address, (since, []))
+            self._held[address] = (min(earlier, since), held + deltas)
+
+    def held(self, address: str) -> tuple[float | None, list[Delta]]:
+        """Take what is held for ``address``: (since when, the deltas), oldest first."""
+        with self._lock:
+            return self._held.pop(address, (None, []))
+
+    def holding(self) -> list[str]:
+        """The addresses with deltas held, that may be tried again now."""
+        with self._lock:
+            return [address for address in self._held if not self.is_down(address)]
 
 
 class Orphans:
@@ -140,8 +176,9 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         self.core = core
         self.schedulers = schedulers
         self.metrics = metrics
-        self.channels = Channels()
+        self.channels = Channels(keep_for=orphan_timeout)
         self.orphans = Orphans(orphan_timeout)
+        threading.Thread(target=self.resend, name="resend", daemon=True).start()
 
     def Push(self, request_iterator, context):
         for batch in request_iterator:
@@ -170,29 +207,51 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         return detokenizer_pb2.ReplayResponse(deltas=[delta_to_pb(d) for d in deltas])
 
     def _deliver(self, frontend: str, deltas: list[Delta]) -> None:
-        gone = self._send(frontend, deltas)
-        if gone is None:  # the frontend is gone (its clients may resume elsewhere)
-            gone = {d.request_id for d in deltas if d.finish_reason is None}
+        """Send ``frontend`` its deltas, after any it could not take before; held again if it cannot now."""
+        with self.channels.sending(frontend):
+            since, held = self.channels.held(frontend)
+            deltas = held + deltas
+            if not deltas:
+                return
+            gone = self._send(frontend, deltas, quiet=since is not None)
+            if gone is None:  # the frontend is down or stalled (its clients may resume elsewhere): hold them
+                self.channels.hold(frontend, deltas, since)
+                gone = {d.request_id for d in deltas if d.finish_reason is None}
+            elif held:
+                log.info("delivered %d held deltas to frontend %s", len(held), frontend)
         self.orphans.found({d.request_id for d in deltas} - gone)
         for request_id in self.orphans.lost(gone):  # nobody listened for too long: stop generating
             self.metrics.orphan_aborts.inc()
             self.core.forget(request_id)
             self._abort(request_id)
 
-    def _send(self, frontend: str, deltas: list[Delta]) -> set[str] | None:
-        """The ids the frontend holds no stream for, or None when it cannot be reached (now or just before)."""
+    def resend(self, every: float = Channels.DOWN_SECONDS) -> None:
+        """Try the frontends holding deltas again, every ``every`` seconds (from a daemon thread): the last
+        deltas of a stream (its finish) may have no newer ones to follow them."""
+        while True:
+            time.sleep(every)
+            for frontend in self.channels.holding():
+                try:
+                    self._deliver(frontend, [])
+                except Exception:  # noqa: BLE001 - the next round tries again
+                    log.exception("resending held deltas to %s failed", frontend)
+
+    def _send(self, frontend: str, deltas: list[Delta], quiet: bool = False) -> set[str] | None:
+        """The ids the frontend holds no stream for, or None when it cannot be reached (now or just before).
+        ``quiet``: it failed before (already logged)."""
         if self.channels.is_down(frontend):
             return None
         stream = self.channels.frontend(frontend)
         stream.send(frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]))
         try:
-            reply = stream.receive(timeout=5)
+            reply = stream.receive(self.channels.ANSWER_SECONDS)
         except TimeoutError as exc:
             reply = exc
         if not isinstance(reply, frontend_pb2.DeliverResponse):
             self.channels.failed(frontend)
             why = reply.code() if isinstance(reply, grpc.RpcError) else reply
-            log.warning("frontend %s unreachable (%s) for %d requests", frontend, why, len(deltas))
+            if not quiet:
+                log.warning("frontend %s unreachable (%s) for %d requests", frontend, why, len(deltas))
             return None
         return set(reply.unknown_request_ids)
 

@@ -24,6 +24,8 @@ from helpers import extra_frontend, scrape, stop, supervised_stack, value, wait_
 from conveyor import grpc_util
 from conveyor.client import Client
 from conveyor.errors import ConveyorError
+from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+from detokenizer_svc.server import Channels
 
 TOPICS = ["the sea", "a mountain", "coffee", "a robot", "the moon", "a library", "rain", "a train"]
 ASKS = ["Write one sentence about {}.", "Describe {} briefly.", "Tell me a fact about {}.", "Give a title for a story about {}."]
@@ -244,9 +246,43 @@ def test_redis_that_lost_everything_gets_every_record_back_from_the_scheduler(st
     assert sum(store.find(f"flushed-{i}") is not None for i in range(len(results))) > len(results) // 2
 
 
+def test_deltas_a_stalled_frontend_missed_reach_it_after_redis_lost_everything(stack, reference):
+    """The frontend stops answering (SIGSTOP) while its streams finish, then Redis loses everything: the
+    detokenizer holds what it could not deliver and sends it once the frontend answers again, so every client
+    gets its whole answer although Redis has nothing left to replay (the finished records went with it)."""
+    import redis as redis_py
+
+    frontend = stack.child("frontend").process
+    stopped: dict = {}
+
+    def fault() -> None:
+        gave_up = time.monotonic() + Channels.ANSWER_SECONDS + Channels.DOWN_SECONDS + 0.5
+        os.kill(frontend.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            with stack.channel("scheduler") as s:
+                stub = scheduler_pb2_grpc.SchedulerStub(s)
+                while time.monotonic() < deadline:  # every request finishes meanwhile; the frontend hears none
+                    stats = stub.Stats(scheduler_pb2.StatsRequest(), timeout=10)
+                    if not (stats.running or stats.waiting):
+                        break
+                    time.sleep(0.1)
+            # the detokenizer gave up waiting for an answer, and the deltas after it found the frontend down
+            time.sleep(max(0.0, gave_up - time.monotonic()))
+            redis_py.Redis.from_url(stack.redis_url).flushall()
+            stopped["finished"] = not (stats.running or stats.waiting)
+        finally:
+            os.kill(frontend.pid, signal.SIGCONT)
+
+    results = run_load(stack.endpoint, "stalled", fault)
+    assert stopped["finished"]
+    check("frontend stalled, then redis flushed", results, reference)
+    _wait_all_serving(stack)
+
+
 def test_worker_restarted_with_a_smaller_cache_is_adopted(stack, reference):
     """The worker comes back with another memory budget: the scheduler re-reads its capacity."""
-    from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+    from conveyor.v1 import worker_pb2, worker_pb2_grpc
 
     def stats():
         with stack.channel("scheduler") as s:
