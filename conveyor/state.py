@@ -227,11 +227,20 @@ class RequestStore:
     @op
     def get(self, request_id: str) -> Steps[RequestRecord | None]:
         """A request's whole record with its output tokens, read in one round trip; None when Redis has none."""
-        raw, out = yield [("HGETALL", self.key(request_id)), ("LRANGE", self.out_key(request_id), 0, -1)]
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-        if "prompt_ids" not in fields:
-            return None
-        return RequestRecord.from_hash(fields, [int(t) for t in out])
+        return (yield from self.get_many.steps(self, [request_id]))[request_id]
+
+    @op
+    def get_many(self, request_ids: list[str]) -> Steps[dict[str, RequestRecord | None]]:
+        """``get`` of several requests in one round trip. One unreadable record raises for all: read those alone
+        to fail them alone."""
+        replies = yield [c for rid in request_ids
+                         for c in (("HGETALL", self.key(rid)), ("LRANGE", self.out_key(rid), 0, -1))]
+        records = {}
+        for i, rid in enumerate(request_ids):
+            fields = {k.decode(): v.decode() for k, v in replies[2 * i].items()}
+            records[rid] = RequestRecord.from_hash(fields, [int(t) for t in replies[2 * i + 1]]) \
+                if "prompt_ids" in fields else None
+        return records
 
     @op
     def progress(self, request_id: str) -> Steps[tuple[int, bool] | None]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from conveyor.errors import NotFound
 from conveyor.messages import Delta
 from conveyor.params import RequestParams
-from conveyor.state import REDIS_DOWN, RequestStore
+from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore
 from conveyor.tokenizer import ModelTokenizer
 from detokenizer_svc.incremental import IncrementalDetokenizer, StopMatcher
 
@@ -77,6 +77,7 @@ class DetokenizerCore:
         by_frontend: dict[str, list[Delta]] = {}
         failed = []
         with self.lock:
+            records = self._new_records(entries)
             for entry in entries:
                 if entry.request_id in self.finished:
                     stopped_at = self.finished[entry.request_id]
@@ -84,7 +85,7 @@ class DetokenizerCore:
                         self.on_stop(entry.request_id, stopped_at, True)
                     continue
                 try:
-                    stream = self.streams.get(entry.request_id) or self._open(entry)
+                    stream = self.streams.get(entry.request_id) or self._open(entry, records)
                     if stream is None:
                         continue
                     deltas = self._take(stream, entry)
@@ -132,8 +133,20 @@ class DetokenizerCore:
         return Stream(record.request_id, frontend, p, len(record.prompt_ids), detok,
                       StopMatcher(p.stop.stop, p.stop.include_stop_str_in_output))
 
-    def _open(self, entry: TokenEntry) -> Stream | None:
-        record = self.store.get(entry.request_id)
+    def _new_records(self, entries: list[TokenEntry]) -> dict[str, RequestRecord | None]:
+        """The records of the requests in ``entries`` without a stream yet, in one round trip (a step that starts
+        many requests pays one, not one each); {} when that read fails: ``_open`` then reads each alone, so an
+        outage or one unreadable record fails only its own request."""
+        new = [e.request_id for e in entries if e.request_id not in self.streams and e.request_id not in self.finished]
+        if len(new) < 2:
+            return {}
+        try:
+            return self.store.get_many(new)
+        except Exception:  # noqa: BLE001 - read alone below, where each failure is its request's
+            return {}
+
+    def _open(self, entry: TokenEntry, records: dict[str, RequestRecord | None]) -> Stream | None:
+        record = records[entry.request_id] if entry.request_id in records else self.store.get(entry.request_id)
         if record is None:
             log.warning("tokens for %s, which Redis does not know; dropped", entry.request_id)
             return None

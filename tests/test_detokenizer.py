@@ -159,6 +159,36 @@ def test_push_that_cannot_read_redis_reports_the_request_and_keeps_no_state(stor
     assert rid not in core.streams
 
 
+class _CountingStore(RequestStore):
+    """The real store, counting its round trips to Redis."""
+
+    round_trips = 0
+
+    def _send(self, commands):
+        self.round_trips += 1
+        return super()._send(commands)
+
+
+def test_a_step_that_starts_many_requests_reads_their_records_in_one_round_trip(store, tokenizer):
+    rids = [_record(store, tokenizer, RequestParams()) for _ in range(8)]
+    counting = _CountingStore(store.redis, store.prefix)
+    core = DetokenizerCore(tokenizer, counting, lambda *a, **k: None)
+    ids = tokenizer.encode(" hi there")
+    by_frontend, failed = core.push([TokenEntry(rid, 0, ids) for rid in rids])
+    assert counting.round_trips == 1 and not failed
+    assert sorted(d.request_id for d in by_frontend["fe:1"]) == sorted(rids)
+    assert all(d.text == " hi there" for d in by_frontend["fe:1"])
+
+
+def test_an_unreadable_record_among_new_requests_fails_only_its_own(store, tokenizer):
+    rids = [_record(store, tokenizer, RequestParams()) for _ in range(4)]
+    store.redis.hset(store.key(rids[1]), "params", "{not json")  # written by something else: unreadable
+    core = DetokenizerCore(tokenizer, store, lambda *a, **k: None)
+    by_frontend, failed = core.push([TokenEntry(rid, 0, tokenizer.encode(" hi")) for rid in rids])
+    assert sorted(d.request_id for d in by_frontend["fe:1"]) == sorted(rids[:1] + rids[2:]) and not failed
+    assert rids[1] not in core.streams
+
+
 # ---------------------------------------------------------------- bounded work and the first token's space
 
 
