@@ -4,6 +4,7 @@ negligible, served through the real stack (frontend, scheduler, worker, detokeni
     python bench/pipeline_ceiling.py                      # 1, 32 and 128 streams
     python bench/pipeline_ceiling.py --streams 128 --max-tokens 128
     python bench/pipeline_ceiling.py --streams 1 128 --profile /tmp/prof   # and where each process spends it
+    python bench/pipeline_ceiling.py --api openai        # the clients on the OpenAI HTTP API instead of gRPC
 
 The model is made here: a 1-layer Llama with hidden size 64 and random weights, with the default
 model's tokenizer (vocabulary 49,152), written as a Hugging Face folder in a temporary directory.
@@ -32,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from conveyor.bench import BenchConfig, ConveyorBackend, OpenAIBackend  # noqa: E402
 from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 from worker_svc.config import NUMERICS  # noqa: E402
@@ -127,14 +129,12 @@ def report_profiles(running: list[tuple[subprocess.Popen, Path]], top: int = 8) 
             print(f"    own {100 * n / max(samples, 1):5.1f}%  {f[:60]:<60}  total {100 * m / max(samples, 1):5.1f}%  {g[:70]}")
 
 
-def level(client: Client, pids: dict[str, int], streams: int, requests: int, max_tokens: int) -> dict:
+def level(backend, pids: dict[str, int], streams: int, requests: int, max_tokens: int) -> dict:
     prompt = " ".join(["hello"] * 16)
+    backend.cfg.max_tokens = max_tokens
 
     def one(_):
-        count = 0
-        for delta in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0):
-            count += len(delta.token_ids)
-        return count
+        return sum(backend.stream(prompt))
 
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     start = time.perf_counter()
@@ -156,13 +156,15 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="default", help="the tiny model's tokenizer: that of this --model")
     parser.add_argument("--internal-tls", action=argparse.BooleanOptionalAction, default=True,
                         help="internal mutual TLS, as conveyor up by default (--no-internal-tls: plain gRPC)")
+    parser.add_argument("--api", choices=("conveyor", "openai"), default="conveyor",
+                        help="the clients' API: gRPC through the SDK, or the OpenAI HTTP API (streamed completions)")
     parser.add_argument("--profile", type=Path, help="sample each service with py-spy into this folder")
     args = parser.parse_args()
     if args.profile and not shutil.which("py-spy"):
         parser.error("--profile needs py-spy on PATH (pip install py-spy)")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny-llama", args.tokenizer) if args.model == "tiny" else args.model
-        stack = start(UpConfig.of(model=str(model), port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0,
+        stack = start(UpConfig.of(model=str(model), port=free_port(), http_port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0,
                                deliver_port=0, kv_cache_bytes=256 << 20, max_num_seqs=256, log_level="WARNING",
                                numerics=args.numerics, internal_tls=args.internal_tls,
                                data_dir=str(Path(tmp) / "redis"),
@@ -172,13 +174,15 @@ def main() -> None:
             pids["client"] = os.getpid()
             names = ["frontend", "scheduler", "worker", "detokenizer", "redis", "client"]
             with Client(stack.endpoint, timeout=600) as client:
-                level(client, pids, 4, 4, 8)  # warm-up
+                backend = ConveyorBackend(client, BenchConfig(target=stack.endpoint)) if args.api == "conveyor" else \
+                    OpenAIBackend(BenchConfig(target=stack.http_endpoint, backend="openai", model=str(model)))
+                level(backend, pids, 4, 4, 8)  # warm-up
                 what = "tiny random Llama (1 layer, hidden 64, vocab 49,152)" if args.model == "tiny" else args.model
-                print(f"{what}, {args.max_tokens} output tokens per request, {os.cpu_count()} cores")
+                print(f"{what}, {args.max_tokens} output tokens per request, {os.cpu_count()} cores, {args.api} API")
                 print(f"{'streams':>8}{'tok/s':>10}   CPU ms per output token: " + "".join(f"{n:>12}" for n in names))
                 for streams in args.streams:
                     profiles = start_profiles(pids, args.profile, str(streams)) if args.profile else []
-                    r = level(client, pids, streams, streams * args.requests_per_stream, args.max_tokens)
+                    r = level(backend, pids, streams, streams * args.requests_per_stream, args.max_tokens)
                     cpu = r["cpu_ms_per_token"]
                     print(f"{streams:>8}{r['tokens_per_second']:10.1f}{'':28}" + "".join(f"{cpu[n]:12.3f}" for n in names),
                           flush=True)

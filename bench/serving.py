@@ -6,7 +6,8 @@
 
 Workload per round: ``c`` requests at once, each a prompt of ``--prompt-tokens`` tokens and exactly
 ``--max-tokens`` output tokens (ignore_eos, greedy), streamed through the SDK (frontend, scheduler,
-worker, detokenizer, Redis). The bare loop runs the same shapes on an in-process ModelRunner (no
+worker, detokenizer, Redis). Every request's prompt starts with a token of its own, so the served side's
+prefix cache finds nothing to reuse and both sides compute every prompt. The bare loop runs the same shapes on an in-process ModelRunner (no
 gRPC, no Redis): all prompts in one step, then ``max_tokens - 1`` decode steps at batch ``c``.
 Output tokens/s = completion tokens / wall time. Served and bare rounds alternate (one
 at a time, so they never compete for the CPU, and drift in the machine's speed hits both alike);
@@ -16,6 +17,7 @@ the table shows medians.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -49,14 +51,24 @@ def prompt_text(client: Client, tokens: int) -> str:
     return text
 
 
-def served(client: Client, concurrency: int, prompt: str, max_tokens: int, rounds: int) -> tuple[float, float]:
+FIRST_TOKEN = 1000  # prompts start with 1000, 1001, ...: ordinary tokens of any vocabulary
+_handed_out = itertools.count()
+
+
+def fresh_prompts(prompt_ids: list[int], n: int) -> list[list[int]]:
+    """``n`` prompts of ``prompt_ids``'s length, each starting with a token no earlier one started with: no two
+    share a prefix, so the served side's prefix cache finds nothing to reuse."""
+    return [[FIRST_TOKEN + next(_handed_out), *prompt_ids[1:]] for _ in range(n)]
+
+
+def served(client: Client, concurrency: int, prompt_ids: list[int], max_tokens: int, rounds: int) -> tuple[float, float]:
     """(output tokens/s, median time to first token in s) over ``rounds`` rounds of ``concurrency`` streams."""
     ttfts: list[float] = []
 
-    def one(_):
+    def one(ids: list[int]):
         start = time.perf_counter()
         count, first = 0, None
-        for delta in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0):
+        for delta in client.stream(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True, temperature=0):
             if first is None and delta.token_ids:
                 first = time.perf_counter() - start
             count += len(delta.token_ids)
@@ -67,7 +79,7 @@ def served(client: Client, concurrency: int, prompt: str, max_tokens: int, round
     begin = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         for _ in range(rounds):
-            tokens += sum(pool.map(one, range(concurrency)))
+            tokens += sum(pool.map(one, fresh_prompts(prompt_ids, concurrency)))
     return tokens / (time.perf_counter() - begin), statistics.median(ttfts)
 
 
@@ -79,9 +91,9 @@ def bare(runner: ModelRunner, concurrency: int, prompt_ids: list[int], max_token
     begin = time.perf_counter()
     for r in range(rounds):
         ids = [f"r{r}s{i}" for i in range(concurrency)]
-        chunks = [SeqChunk(s, prompt_ids, 0, new_block_ids=list(range(i * per_seq, (i + 1) * per_seq)), sample=True,
-                           sampling=greedy, num_prompt_tokens=len(prompt_ids))
-                  for i, s in enumerate(ids)]
+        chunks = [SeqChunk(s, p, 0, new_block_ids=list(range(i * per_seq, (i + 1) * per_seq)), sample=True,
+                           sampling=greedy, num_prompt_tokens=len(p))
+                  for i, (s, p) in enumerate(zip(ids, fresh_prompts(prompt_ids, concurrency)))]
         last = {x.seq_id: x.sampled.token_id for x in runner.step(StepInput(chunks))}
         for step in range(max_tokens - 1):
             pos = len(prompt_ids) + step
@@ -123,7 +135,7 @@ def main() -> None:
         with Client(stack.endpoint, timeout=1200) as client:
             prompt = prompt_text(client, args.prompt_tokens)
             prompt_ids = client.tokenize(prompt)
-            served(client, 1, prompt, 4, 1)  # warm-up both
+            served(client, 1, prompt_ids, 4, 1)  # warm-up both
             bare(runner, 1, prompt_ids, 4, 1)
             print(f"{loaded.name} on {device} ({str(dtype).removeprefix('torch.')}), prompt {len(prompt_ids)} tokens, "
                   f"{args.max_tokens} output tokens per request, {args.rounds} alternating rounds (medians), "
@@ -132,7 +144,7 @@ def main() -> None:
                   f"{'median TTFT s':>15}")
             for c in args.concurrency:
                 # served and bare alternate, so that drift in the machine's speed hits both alike
-                rows = [(*served(client, c, prompt, args.max_tokens, 1), bare(runner, c, prompt_ids, args.max_tokens, 1))
+                rows = [(*served(client, c, prompt_ids, args.max_tokens, 1), bare(runner, c, prompt_ids, args.max_tokens, 1))
                         for _ in range(args.rounds)]
                 tps = statistics.median(r[0] for r in rows)
                 ttft = statistics.median(r[1] for r in rows)
