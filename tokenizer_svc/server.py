@@ -270,10 +270,10 @@ class FrontendService(frontend_pb2_grpc.FrontendServicer):
 async def follow_engines(engines: EnginesClient, health, metrics: Metrics, http: OpenAIApi | None,
                          every: float = 0.5) -> None:
     """Keep the public health NOT_SERVING (and the HTTP API's ``/health`` 503) while no engine serves (their
-    schedulers, workers or Redis are down)."""
+    schedulers, workers or Redis are down). The first look is at once, so each engine's ``conveyor_engine_up``
+    is exported from the start."""
     serving = True
     while True:
-        await asyncio.sleep(every)
         now = await engines.serving()
         if now != serving:
             log.warning("%s", "an engine serves again" if now else "no engine serves; health is NOT_SERVING")
@@ -281,6 +281,7 @@ async def follow_engines(engines: EnginesClient, health, metrics: Metrics, http:
             if http is not None:
                 http.serving = now
             serving = now
+        await asyncio.sleep(every)
 
 
 class HttpServer:
