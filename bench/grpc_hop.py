@@ -176,8 +176,8 @@ def main() -> None:
                 for client_kind in ("threads", "aio"):
                     wall, client, server = measure(server_kind, client_kind, every, pace / 1000, args.messages)
                     label = "each" if every == 1 else f"1/{every}"
-                    print(f"{server_kind:>8}{client_kind:>8}{label:>10}{pace:9.1f}{wall:8.0f}{client:12.0f}{server:12.0f}",
-                          flush=True)
+                    print(f"{server_kind:>8}{client_kind:>8}{label:>10}{pace:9.1f}{wall:8.0f}{client:12.0f}"
+                          f"{server:12.0f}", flush=True)
 
 
 if __name__ == "__main__":

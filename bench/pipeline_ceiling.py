@@ -164,8 +164,8 @@ def main() -> None:
         parser.error("--profile needs py-spy on PATH (pip install py-spy)")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny-llama", args.tokenizer) if args.model == "tiny" else args.model
-        stack = start(UpConfig.of(model=str(model), port=free_port(), http_port=free_port(), worker_port=0, scheduler_port=0, detokenizer_port=0,
-                               deliver_port=0, kv_cache_bytes=256 << 20, max_num_seqs=256, log_level="WARNING",
+        stack = start(UpConfig.of(model=str(model), port=free_port(), http_port=free_port(), worker_port=0,
+                               scheduler_port=0, detokenizer_port=0, deliver_port=0, kv_cache_bytes=256 << 20, max_num_seqs=256, log_level="WARNING",
                                numerics=args.numerics, internal_tls=args.internal_tls,
                                data_dir=str(Path(tmp) / "redis"),
                                **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}))

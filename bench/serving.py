@@ -7,8 +7,8 @@
 Workload per round: ``c`` requests at once, each a prompt of ``--prompt-tokens`` tokens and exactly
 ``--max-tokens`` output tokens (ignore_eos, greedy), streamed through the SDK (frontend, scheduler,
 worker, detokenizer, Redis). Every request's prompt starts with a token of its own, so the served side's
-prefix cache finds nothing to reuse and both sides compute every prompt. The bare loop runs the same shapes on an in-process ModelRunner (no
-gRPC, no Redis): all prompts in one step, then ``max_tokens - 1`` decode steps at batch ``c``.
+prefix cache finds nothing to reuse and both sides compute every prompt. The bare loop runs the same shapes on
+an in-process ModelRunner (no gRPC, no Redis): all prompts in one step, then ``max_tokens - 1`` decode steps at batch ``c``.
 Output tokens/s = completion tokens / wall time. Served and bare rounds alternate (one
 at a time, so they never compete for the CPU, and drift in the machine's speed hits both alike);
 the table shows medians.
@@ -61,7 +61,8 @@ def fresh_prompts(prompt_ids: list[int], n: int) -> list[list[int]]:
     return [[FIRST_TOKEN + next(_handed_out), *prompt_ids[1:]] for _ in range(n)]
 
 
-def served(client: Client, concurrency: int, prompt_ids: list[int], max_tokens: int, rounds: int) -> tuple[float, float]:
+def served(client: Client, concurrency: int, prompt_ids: list[int], max_tokens: int,
+           rounds: int) -> tuple[float, float]:
     """(output tokens/s, median time to first token in s) over ``rounds`` rounds of ``concurrency`` streams."""
     ttfts: list[float] = []
 
@@ -144,8 +145,8 @@ def main() -> None:
                   f"{'median TTFT s':>15}")
             for c in args.concurrency:
                 # served and bare alternate, so that drift in the machine's speed hits both alike
-                rows = [(*served(client, c, prompt_ids, args.max_tokens, 1), bare(runner, c, prompt_ids, args.max_tokens, 1))
-                        for _ in range(args.rounds)]
+                rows = [(*served(client, c, prompt_ids, args.max_tokens, 1),
+                         bare(runner, c, prompt_ids, args.max_tokens, 1)) for _ in range(args.rounds)]
                 tps = statistics.median(r[0] for r in rows)
                 ttft = statistics.median(r[1] for r in rows)
                 ref = statistics.median(r[2] for r in rows)

@@ -90,15 +90,15 @@ class Channels:
             return self._sending.setdefault(address, threading.Lock())
 
     def hold(self, address: str, deltas: list[Delta], since: float | None = None) -> None:
-        """Keep deltas ``address`` could not take (``since``: when the oldest of them first failed)."""
+        """Keep deltas ``address`` could not take (``since``: when the oldest of them first failed), in place of
+        what ``held`` took: call both under ``sending(address)``."""
         now = time.monotonic()
         since = now if since is None else since
         if now - since > self.keep_for:
             log.warning("dropped %d deltas frontend %s could not take for %.0f s", len(deltas), address, now - since)
             return
         with self._lock:
-            earlier, held = self._held.pop(address, (since, []))
-            self._held[address] = (min(earlier, since), held + deltas)
+            self._held[address] = (since, deltas)
 
     def held(self, address: str) -> tuple[float | None, list[Delta]]:
         """Take what is held for ``address``: (since when, the deltas), oldest first."""
