@@ -40,15 +40,21 @@ def test_an_engine_killed_mid_run_loses_nothing_and_comes_back_for_new_work(stac
     assert all(n > 0 for n in before), f"both engines should have served the undisturbed run: {before}"
     held = {}
 
-    def kill_engine_1() -> None:
-        held["running"] = _stats(stack, 1).running
+    def kill_engine_1() -> None:  # once engine 1 holds requests (its share may not have started yet)
+        deadline = time.monotonic() + 30
+        while True:
+            stats = _stats(stack, 1)
+            held["requests"] = stats.running + stats.waiting
+            if held["requests"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         for name in ("worker-1", "scheduler-1"):
             os.kill(stack.child(name).process.pid, signal.SIGKILL)
 
     results = run_load(stack.endpoint, "engine", kill_engine_1)
     check("engine", results, reference)
-    assert held["running"] > 0  # the killed engine held requests
-    assert _counter(stack, "scheduler", "conveyor_engine_takeovers_total") >= held["running"]
+    assert held["requests"] > 0  # the killed engine held requests
+    assert _counter(stack, "scheduler", "conveyor_engine_takeovers_total") >= held["requests"]
     for name in ("worker-1", "scheduler-1"):  # it comes back: new work reaches it
         child = stack.child(name)
         child.process = child.spawn()
