@@ -178,10 +178,15 @@ INTERNAL_TLS_ENV = "CONVEYOR_INTERNAL_TLS_DIR"
 INTERNAL_TLS_NAME = "conveyor-internal"  # the name internal certificates carry (subjectAltName DNS)
 
 
+def internal_tls_folder() -> str | None:
+    """The folder of the internal certificates (``CONVEYOR_INTERNAL_TLS_DIR``: ca.pem, cert.pem, key.pem), or
+    None: then internal services talk in plain text (on localhost by default)."""
+    return os.environ.get(INTERNAL_TLS_ENV) or None
+
+
 def _internal_tls(folder: str | None = None) -> tuple[bytes, bytes, bytes] | None:
-    """(ca, cert, key) PEMs from ``folder`` or the one in ``CONVEYOR_INTERNAL_TLS_DIR`` (ca.pem, cert.pem,
-    key.pem), or None: then internal services talk plain gRPC (on localhost by default)."""
-    folder = folder or os.environ.get(INTERNAL_TLS_ENV)
+    """(ca, cert, key) PEMs from ``folder`` or ``internal_tls_folder()``, or None."""
+    folder = folder or internal_tls_folder()
     if not folder:
         return None
     try:
@@ -211,7 +216,7 @@ def internal_aio_channel(address: str) -> grpc.aio.Channel:
 def bind_internal(server: grpc.Server, host: str, port: int) -> int:
     """``bind`` for an internal service: with ``CONVEYOR_INTERNAL_TLS_DIR``, only peers holding a
     certificate from its CA get in (mutual TLS)."""
-    folder = os.environ.get(INTERNAL_TLS_ENV)
+    folder = internal_tls_folder()
     credentials = None
     if folder:
         credentials = server_credentials(str(Path(folder, "cert.pem")), str(Path(folder, "key.pem")),

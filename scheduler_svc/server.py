@@ -22,7 +22,8 @@ from conveyor.params import to_pb
 from conveyor.state import RequestStore
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
-from conveyor.wire import FAILED_SEQ_METADATA, FINISH_TO_PB, logprobs_to_pb
+from conveyor.link import Link, LinkError
+from conveyor.wire import FINISH_TO_PB, logprobs_to_pb
 from conveyor.prefix import root_key
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
@@ -111,43 +112,46 @@ def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatc
 
 
 class StepChannel:
-    """Steps to the worker over one ``StepStream``: sent in order, answered in order (``AnsweredStream``), so
-    ``receive`` can give up on a worker that stopped answering (hung, or its host gone without a reset) after
-    ``step_timeout`` seconds."""
+    """Steps to the worker over its step link (``conveyor.link``): sent in order, answered in order, both on the
+    engine's thread (no hand-off per step), so ``receive`` can give up on a worker that stopped answering (hung,
+    or its host gone without a reset) after ``step_timeout`` seconds. The link's port comes from the worker's
+    ``Info``, on the host of its gRPC address; it is opened at the first step and after every ``reset``."""
 
-    REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-               grpc.StatusCode.RESOURCE_EXHAUSTED)  # the worker is alive and failed the step
+    REFUSED = ("INVALID_ARGUMENT", "INTERNAL", "UNKNOWN", "RESOURCE_EXHAUSTED")  # the worker is alive, failed it
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, step_timeout: float = 0.0):
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str, step_timeout: float = 0.0):
         self.stub = stub
+        self.host = address.rsplit(":", 1)[0].strip("[]")
         self.step_timeout = step_timeout or None
-        self.stream = grpc_util.AnsweredStream(stub.StepStream, "step")
+        self.link: Link | None = None
 
     def send(self, plan: StepPlan) -> None:
-        self.stream.send(plan_to_pb(plan))
+        step = plan_to_pb(plan)  # a request's data that does not fit the wire fails before anything is sent
+        if self.link is None:
+            port = self.stub.Info(worker_pb2.InfoRequest(), timeout=5).step_port
+            if not port:
+                raise ConnectionError("the worker's Info names no step link (step_port)")
+            self.link = Link.connect(self.host, port)
+        self.link.send(step)
 
     def receive(self, plan: StepPlan) -> Answer:
         try:
-            reply = self.stream.receive(self.step_timeout)
+            reply = self.link.receive(worker_pb2.StepResponse.FromString, self.step_timeout)
         except TimeoutError:
             raise TimeoutError(f"the worker did not answer step {plan.step} within {self.step_timeout:g} s "
                                "(--step-timeout)") from None
-        if isinstance(reply, grpc.RpcError):
-            raise self._failure(reply)
-        if isinstance(reply, Exception):
-            raise reply
+        except LinkError as exc:
+            if exc.code not in self.REFUSED:
+                raise ConnectionError(str(exc)) from None
+            raise StepFailed(str(exc), exc.culprit) from None
         if reply.step_id != plan.step:
             raise ConnectionError(f"the worker answered step {reply.step_id}, expected {plan.step}")
         return sampled_from_pb(plan, reply)
 
-    def _failure(self, exc: grpc.RpcError) -> Exception:
-        if exc.code() not in self.REFUSED:
-            return exc  # the connection broke (the worker died or restarts)
-        culprit = dict(exc.trailing_metadata() or ()).get(FAILED_SEQ_METADATA)
-        return StepFailed(f"{exc.code().name}: {exc.details()}", culprit)
-
     def reset(self) -> None:
-        self.stream.reset()
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
     def capacity(self) -> tuple[int, int, int]:
         info = self.stub.Info(worker_pb2.InfoRequest(), timeout=2)
@@ -284,7 +288,7 @@ def build_engine(cfg: SchedulerConfig, metrics: Metrics, lease: Lease | None = N
         grpc_util.internal_channel(cfg.detokenizer)
     )
 
-    engine = Engine(scheduler, store, StepChannel(worker, cfg.step_timeout), Publisher(detokenizer),
+    engine = Engine(scheduler, store, StepChannel(worker, cfg.worker, cfg.step_timeout), Publisher(detokenizer),
                     tuple(info.eos_token_ids), metrics=metrics, name=cfg.engine, lease=lease)
     engine.check_request = registration_pb  # raises for data that cannot go on the wire: refused at submission
     watch_redis(store, metrics)

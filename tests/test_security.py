@@ -7,6 +7,8 @@ API keys, TLS and limits, one with mutual TLS.
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 import subprocess
 import time
 
@@ -18,7 +20,9 @@ from helpers import ROOT, conveyor_command, extra_frontend, start_stack, stop
 
 from conveyor.client import Client
 from conveyor.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
-from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+from conveyor import grpc_util
+from conveyor.link import HEADER
+from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-9876543210ab"}
 CHAT = [{"role": "user", "content": "Count from one to fifty in words."}]
@@ -180,6 +184,25 @@ def test_internal_services_with_mutual_tls_refuse_peers_without_a_certificate(ce
         options = [("grpc.ssl_target_name_override", "conveyor-internal")]
         with grpc.secure_channel(scheduler, ca_only, options=options) as anonymous, pytest.raises(grpc.RpcError):
             scheduler_pb2_grpc.SchedulerStub(anonymous).Info(info, timeout=5)
+        with grpc_util.internal_channel(s.child("worker").health) as channel:  # the scheduler's certificates
+            step_port = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=10).step_port
+        step = worker_pb2.StepRequest(step_id=1, free_all=True).SerializeToString()
+        step = HEADER.pack(len(step), 0) + step  # a step that would make the worker forget every sequence
+        anonymous_tls = ssl.create_default_context(cafile=str(certs / "ca.pem"))  # verifies the worker, has no cert
+        anonymous_tls.check_hostname = False
+
+        def answer(tls: ssl.SSLContext | None) -> bytes:
+            try:
+                with socket.create_connection(("127.0.0.1", step_port), timeout=10) as plain:
+                    sock = tls.wrap_socket(plain) if tls else plain
+                    sock.sendall(step)
+                    return sock.recv(64)
+            except OSError:  # reset, or the handshake refused
+                return b""
+
+        assert answer(None) == b"" and answer(anonymous_tls) == b""  # closed without an answer
+        with Client(s.endpoint, timeout=120) as c:  # the engine's own link was not disturbed
+            assert c.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
     finally:
         s.stop()
 

@@ -1,4 +1,4 @@
-"""``conveyor serve worker`` as its own process, driven over gRPC."""
+"""``conveyor serve worker`` as its own process, driven over gRPC (``Info``) and its step link (steps)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import conveyor_command, free_port, make_runner, spawn, stop, wait_serving
 
+from conveyor.link import Link, LinkError
 from conveyor.params import SamplingParams
 from conveyor.v1 import worker_pb2 as pb
 from conveyor.v1 import worker_pb2_grpc
@@ -59,9 +60,18 @@ def test_info_describes_model_and_cache(stub, default_model):
     assert info.num_blocks == KV_BYTES // info.block_bytes
 
 
+def open_link(stub) -> Link:
+    return Link.connect("127.0.0.1", stub.Info(pb.InfoRequest()).step_port)
+
+
 def step(stub, request: pb.StepRequest) -> pb.StepResponse:
-    """One step on its own ``StepStream`` (as the scheduler sends them, without the one queued behind)."""
-    return next(iter(stub.StepStream(iter([request]))))
+    """One step on a link of its own (as the scheduler sends them, without the one queued behind)."""
+    link = open_link(stub)
+    try:
+        link.send(request)
+        return link.receive(pb.StepResponse.FromString, timeout=60)
+    finally:
+        link.close()
 
 
 def _pb_chunk(seq_id, tokens, start, blocks=(), sampling=None, prompt_len=0):
@@ -132,10 +142,10 @@ def test_malformed_step_is_invalid_argument_and_harmless(stub, default_model, na
     greedy = SamplingOptions(temperature=0.0)
     first = step(stub, pb.StepRequest(chunks=[_pb_chunk("keep", prompt, 0, [30, 31], greedy, len(prompt))]))
     token = first.tokens[0].token_id
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(LinkError) as err:
         step(stub, pb.StepRequest(chunks=[_pb_chunk("keep", [token], len(prompt)), bad]))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in err.value.details()
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert message in err.value.details
     rest = [token]
     for i in range(5):  # the rejected step computed nothing: "keep" continues where it was
         reply = step(stub, pb.StepRequest(chunks=[_pb_chunk("keep", [rest[-1]], len(prompt) + i)]))
@@ -144,9 +154,38 @@ def test_malformed_step_is_invalid_argument_and_harmless(stub, default_model, na
     step(stub, pb.StepRequest(free_seq_ids=["keep"]))
 
 
+def test_bytes_that_are_not_a_step_end_the_link_with_invalid_argument(stub):
+    link = open_link(stub)
+    try:
+        link.sock.sendall(b"\x03\x00\x00\x00\x00\xff\xff\xff")  # a 3-byte message that is no protobuf
+        with pytest.raises(LinkError) as err:
+            link.receive(pb.StepResponse.FromString, timeout=30)
+    finally:
+        link.close()
+    assert err.value.code == "INVALID_ARGUMENT" and "malformed step" in err.value.details
+    assert step(stub, pb.StepRequest(step_id=5)).step_id == 5  # the worker serves the next link
+
+
+def test_a_new_link_replaces_the_one_before_it(stub):
+    """A scheduler that restarts connects again while its old connection may linger: the worker serves the new
+    one and closes the old."""
+    old = open_link(stub)
+    old.send(pb.StepRequest(step_id=1))
+    assert old.receive(pb.StepResponse.FromString, timeout=30).step_id == 1
+    new = open_link(stub)
+    try:
+        new.send(pb.StepRequest(step_id=2))
+        assert new.receive(pb.StepResponse.FromString, timeout=30).step_id == 2
+        with pytest.raises(ConnectionError):
+            old.receive(pb.StepResponse.FromString, timeout=30)
+    finally:
+        old.close()
+        new.close()
+
+
 def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default_model):
-    """The scheduler's StepChannel gets StepFailed naming the culprit (from the worker's trailing
-    metadata), so it can blame that request alone."""
+    """The scheduler's StepChannel gets StepFailed naming the culprit (from the worker's error on the link),
+    so it can blame that request alone."""
     from conveyor.params import RequestParams
     from scheduler_svc.engine import StepFailed
     from scheduler_svc.policy import Chunk, StepPlan
@@ -156,7 +195,7 @@ def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default
     prompt = default_model.tokenizer.encode("The capital of Spain is")
     good, bad = (Request(rid, prompt, RequestParams.of(temperature=0.0), (), 0.0) for rid in ("fine", "culprit"))
     plan = StepPlan(1, [Chunk(good, prompt, 0, [40, 41], True), Chunk(bad, prompt, 0, [10**6], True)], [])
-    channel = StepChannel(stub, step_timeout=60)
+    channel = StepChannel(stub, "127.0.0.1:0", step_timeout=60)
     channel.send(plan)
     with pytest.raises(StepFailed) as failed:
         channel.receive(plan)
@@ -191,24 +230,24 @@ def test_missing_default_model_names_the_install_command(monkeypatch):
 
 def test_step_stream_runs_queued_steps_in_order(stub, default_model):
     """Steps sent ahead of their answers (decode_last) give the tokens of the one-by-one path."""
-    import queue
-
     prompt = default_model.tokenizer.encode("The tallest mountain on Earth is")
-    requests: queue.Queue = queue.Queue()
-    replies = stub.StepStream(iter(requests.get, None))
+    link = open_link(stub)
     greedy = SamplingOptions(temperature=0.0)
-    requests.put(pb.StepRequest(step_id=1, chunks=[_pb_chunk("st", prompt, 0, [40, 41], greedy, len(prompt))]))
+    link.send(pb.StepRequest(step_id=1, chunks=[_pb_chunk("st", prompt, 0, [40, 41], greedy, len(prompt))]))
     for i in range(7):  # all queued at once: each decodes the token sampled by the step before
         chunk = pb.SequenceChunk(seq_id="st", start_pos=len(prompt) + i, sample=True, decode_last=True)
-        requests.put(pb.StepRequest(step_id=2 + i, chunks=[chunk]))
-    got = [next(replies) for _ in range(8)]
+        link.send(pb.StepRequest(step_id=2 + i, chunks=[chunk]))
+    got = [link.receive(pb.StepResponse.FromString, timeout=60) for _ in range(8)]
     assert [r.step_id for r in got] == list(range(1, 9))
     assert [r.tokens[0].token_id for r in got] == _reference(default_model, prompt, 8, SamplingParams(temperature=0.0))
-    requests.put(pb.StepRequest(step_id=9, chunks=[_pb_chunk("ghost", [1], 3, [])]))  # malformed: ends the stream
-    with pytest.raises(grpc.RpcError) as err:
-        next(replies)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown sequence" in err.value.details()
-    requests.put(None)
+    link.send(pb.StepRequest(step_id=9, chunks=[_pb_chunk("ghost", [1], 3, [])]))  # malformed: ends the link
+    link.send(pb.StepRequest(step_id=10))  # queued behind it: never runs
+    with pytest.raises(LinkError) as err:
+        link.receive(pb.StepResponse.FromString, timeout=60)
+    assert err.value.code == "INVALID_ARGUMENT" and "unknown sequence" in err.value.details
+    with pytest.raises(ConnectionError):
+        link.receive(pb.StepResponse.FromString, timeout=60)
+    link.close()
     step(stub, pb.StepRequest(free_seq_ids=["st"]))
 
 

@@ -9,18 +9,16 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import torch
 
 from conveyor import grpc_util
 from conveyor.errors import InvalidArgument
+from conveyor.link import Link, LinkError, LinkServer
 from conveyor.metrics import Metrics
 from conveyor.params import Limits, SamplingParams, StopParams, Structured, from_pb
 from conveyor.structured import Constraints
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
-from conveyor.wire import FAILED_SEQ_METADATA
 from worker_svc import cpu_kernels
 from worker_svc.config import WorkerConfig
 from worker_svc.graphs import CudaGraph
@@ -87,62 +85,69 @@ def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> wo
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """``Info`` over gRPC, and the steps of the scheduler's step link (``conveyor.link``) on one thread of their
+    own: it reads a step, runs it and answers, then reads the next, which the scheduler sent while this one ran,
+    so a busy worker never sleeps between steps and a step costs no hand-off between threads. Every step runs on
+    this one thread: steps mutate the cache and sequence state, and an OpenMP runtime keeps a thread team per
+    calling thread. A new link replaces the one before it (a scheduler that restarted; the old one is closed)."""
+
     def __init__(self, runner: ModelRunner, info: worker_pb2.InfoResponse, metrics: Metrics):
         self.runner = runner
         self.info = info
         self.limits = Limits.wire(info.max_model_len, info.vocab_size)
         self.metrics = metrics
-        # Every step runs on this one thread: steps mutate the cache and sequence state, and an
-        # OpenMP runtime keeps a thread team per calling thread (gRPC's pool would make many).
-        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self.links: queue.Queue[Link] = queue.Queue()
+        self.current: Link | None = None
+        self.lock = threading.Lock()
+        threading.Thread(target=self._serve_links, name="step", daemon=True).start()
 
     def Info(self, request, context):
         return self.info
 
-    def StepStream(self, request_iterator, context):
-        """Steps are read ahead on their own thread and queued on the compute thread as they arrive,
-        so the next step is waiting there while the answer to this one travels back."""
-        results: queue.Queue = queue.Queue()
-        failed = threading.Event()  # after a failed step, the ones queued behind it do not run
+    def add_link(self, link: Link) -> None:
+        """A scheduler connected (from the link server's thread): its link replaces the current one."""
+        with self.lock:
+            previous, self.current = self.current, link
+        self.links.put(link)
+        if previous is not None:
+            previous.interrupt()  # the step thread, blocked reading it or answering on it, moves on
 
-        def run(step_id: int, step: StepInput) -> worker_pb2.StepResponse:
-            if failed.is_set():
-                raise InvalidStep(f"step {step_id} follows a step that failed")
-            try:
-                return self._run(step_id, step)
-            except Exception:
-                failed.set()
-                raise
+    def _serve_links(self) -> None:
+        while True:
+            link = self.links.get()
+            if link is self.current:  # else a newer one replaced it before it was served
+                self._serve(link)
+            link.close()
 
-        def read() -> None:
+    def _serve(self, link: Link) -> None:
+        """Run the steps of one link until it closes or a step fails (the steps queued behind it do not run)."""
+        while True:
             try:
-                for request in request_iterator:
-                    results.put(self.compute.submit(run, request.step_id, step_from_pb(request, self.limits)))
-            except Exception as exc:  # noqa: BLE001 - a bad step or a broken stream: end after the queued ones
-                results.put(exc)
-            results.put(None)
-
-        threading.Thread(target=read, name="step-reader", daemon=True).start()
-        while (item := results.get()) is not None:
-            try:
-                if isinstance(item, Exception):
-                    raise item
-                yield item.result()
-            except grpc.RpcError:
+                request = link.receive(worker_pb2.StepRequest.FromString)
+            except (ConnectionError, OSError, LinkError):
+                return  # the scheduler went away or reconnected
+            except Exception as exc:  # noqa: BLE001 - bytes that are not a StepRequest
+                link.fail("INVALID_ARGUMENT", f"malformed step: {exc}")
                 return
-            except Exception as exc:  # noqa: BLE001 - streams bypass the interceptor's mapping
-                self._refuse(context, exc)
+            try:
+                reply = self._run(request.step_id, step_from_pb(request, self.limits))
+            except Exception as exc:  # noqa: BLE001 - the step's error ends the link, the worker goes on
+                self._refuse(link, exc)
+                return
+            try:
+                link.send(reply)
+            except OSError:
+                return
 
-    def _refuse(self, context, exc: Exception) -> None:
-        """End a step stream with the step's error, naming the sequence at fault when it is known (the
-        scheduler then blames that request alone; otherwise it finds it by running suspects alone)."""
+    def _refuse(self, link: Link, exc: Exception) -> None:
+        """End a link with the step's error, naming the sequence at fault when it is known (the scheduler then
+        blames that request alone; otherwise it finds it by running suspects alone)."""
         seq_id = getattr(exc, "seq_id", None)
-        if seq_id:
-            context.set_trailing_metadata(((FAILED_SEQ_METADATA, seq_id),))
         if isinstance(exc, InvalidStep):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            link.fail("INVALID_ARGUMENT", str(exc), seq_id)
+            return
         log.error("step failed: %s", exc, exc_info=True)
-        context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
+        link.fail("INTERNAL", f"step failed: {type(exc).__name__}: {exc}", seq_id)
 
     def _run(self, step_id: int, step: StepInput) -> worker_pb2.StepResponse:
         start = time.perf_counter()
@@ -259,10 +264,13 @@ def serve(cfg: WorkerConfig) -> None:
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner, info, metrics), server)
+    service = WorkerService(runner, info, metrics)
+    links = LinkServer(cfg.host, cfg.step_port, service.add_link, "step")
+    info.step_port = links.port
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
-    log.info("worker serving %s on %s:%d (metrics on %s:%d)", info.model_name, cfg.host, port, cfg.metrics_host,
-             metrics_port)
+    log.info("worker serving %s on %s:%d, steps on port %d (metrics on %s:%d)", info.model_name, cfg.host, port,
+             links.port, cfg.metrics_host, metrics_port)
     grpc_util.wait_for_termination(server, on_stop=lambda: grpc_util.set_serving(health, [SERVICE_NAME], False, metrics))

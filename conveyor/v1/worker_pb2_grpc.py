@@ -39,28 +39,13 @@ class WorkerStub:
                 request_serializer=conveyor_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_worker__pb2.InfoResponse.FromString,
                 _registered_method=True)
-        self.StepStream = channel.stream_stream(
-                '/conveyor.v1.Worker/StepStream',
-                request_serializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-                response_deserializer=conveyor_dot_v1_dot_worker__pb2.StepResponse.FromString,
-                _registered_method=True)
 
 
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Info(self, request, context):
-        """What the worker serves and how much KV cache it has.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def StepStream(self, request_iterator, context):
-        """Engine steps over one stream, run strictly in the order sent: each one forward pass over a
-        mixed batch of prompt chunks and decode tokens. The scheduler keeps the next step queued behind
-        the running one so the worker never waits for it; a malformed step changes nothing and ends the
-        stream with INVALID_ARGUMENT (after the steps before it ran).
+        """What the worker serves, how much KV cache it has, and where its step link listens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,11 +58,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=conveyor_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_worker__pb2.InfoResponse.SerializeToString,
-            ),
-            'StepStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.StepStream,
-                    request_deserializer=conveyor_dot_v1_dot_worker__pb2.StepRequest.FromString,
-                    response_serializer=conveyor_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -107,33 +87,6 @@ class Worker:
             '/conveyor.v1.Worker/Info',
             conveyor_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             conveyor_dot_v1_dot_worker__pb2.InfoResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def StepStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/conveyor.v1.Worker/StepStream',
-            conveyor_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-            conveyor_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
