@@ -1,19 +1,18 @@
-"""What one message between two Conveyor processes costs in CPU: the scheduler's ``Push`` stream to the
-detokenizer (a ``TokenBatch`` of one request's token), between this process and a server it starts, on the
-same transport the services use.
+"""What one message between two Conveyor processes costs in CPU, over a link (``conveyor/link.py``, what the
+services use for their per-step streams) and over gRPC (what they used before), in one run: a scheduler-like
+client sends a ``TokenBatch`` of one request's token to a server it starts, which answers with a ``PushResponse``.
 
     python bench/grpc_hop.py                              # every variant below, 1,000 messages each
     python bench/grpc_hop.py --messages 3000 --pace-ms 0 2
 
-Variants: the server on gRPC's thread pool (as the detokenizer and the worker) or on ``grpc.aio`` (as the
-frontend); the client ``conveyor.grpc_util.AnsweredStream`` (as the scheduler) or ``grpc.aio`` on an event loop
-thread; every message answered (as Push and Deliver are) or only every 64th; messages back to back or one every
-``--pace-ms`` (as engine steps come). The table gives wall time and the CPU of each side (user + system, the
-server's from /proc in 10 ms ticks: use enough messages) per message. On a 2-core Zen 5 (client + server CPU):
-back to back and answered each ~210 + ~160 µs, answered every 64th under 10 µs; paced at 2 ms and answered each
-~300-390 + ~210-280 µs, every 64th about a third less; ``grpc.aio`` on either side no cheaper than the thread
-pool. What a message costs is waking the threads that wait for it, not its bytes: a paced pipeline (a step every
-few ms) pays it for every message.
+Variants: a link (a thread per link on the server, as the worker and the detokenizer serve theirs; the link on
+an event loop, as the frontend serves its, with ``--server aio``); a gRPC bidirectional stream on gRPC's thread
+pool or on ``grpc.aio``, its client ``AnsweredStream`` below (requests from a queue, answers read on a thread of
+their own, as the scheduler's was) or ``grpc.aio`` on an event loop thread; every message answered or only every
+64th; back to back or one every ``--pace-ms`` (as engine steps come). The table gives wall time and the CPU of
+each side (user + system, the server's from /proc in 10 ms ticks: use enough messages) per message. On a 2-core
+Zen 5, paced at 2 ms and answered each: gRPC ~300-390 µs of client and ~210-280 µs of server CPU whichever API
+(most of it waking threads: back to back and answered every 64th, under 10 µs), a link ~100 + ~60 µs.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -34,48 +34,94 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from conveyor import grpc_util  # noqa: E402
 from conveyor.launcher import free_port  # noqa: E402
-from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc  # noqa: E402
+from conveyor.link import Link, LinkServer, serve_on_loop  # noqa: E402
+from conveyor.v1 import detokenizer_pb2  # noqa: E402
+
+METHOD = "/bench.Hop/Push"
+BATCH, ANSWER = detokenizer_pb2.TokenBatch, detokenizer_pb2.PushResponse
 
 
-class ThreadPoolPush(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, every: int):
-        self.every = every
-
-    def Push(self, request_iterator, context):
-        for batch in request_iterator:
-            if batch.step % self.every == 0:
-                yield detokenizer_pb2.PushResponse(step=batch.step)
-
-
-class AioPush(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, every: int):
-        self.every = every
-
-    async def Push(self, request_iterator, context):
-        async for batch in request_iterator:
-            if batch.step % self.every == 0:
-                yield detokenizer_pb2.PushResponse(step=batch.step)
+def answer(batch, every: int):
+    return ANSWER(step=batch.step) if batch.step % every == 0 else None
 
 
 def serve(kind: str, port: int, every: int) -> None:
+    """The server side, in its own process: ``kind`` threads | aio (gRPC) or link | link-aio."""
     if kind == "threads":
+        def push(request_iterator, context):
+            for batch in request_iterator:
+                if (reply := answer(batch, every)) is not None:
+                    yield reply
+
         server = grpc.server(futures.ThreadPoolExecutor(8))
-        detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(ThreadPoolPush(every), server)
+        server.add_generic_rpc_handlers([_handler(push)])
         server.add_insecure_port(f"127.0.0.1:{port}")
         server.start()
         server.wait_for_termination()
-        return
+    elif kind == "link":
+        def run(link: Link) -> None:
+            while True:
+                batch = link.receive(BATCH.FromString)
+                if (reply := answer(batch, every)) is not None:
+                    link.send(reply)
 
-    async def run() -> None:
-        server = grpc.aio.server()
-        detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(AioPush(every), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        await server.wait_for_termination()
+        LinkServer("127.0.0.1", port, lambda link: threading.Thread(target=run, args=(link,), daemon=True).start(),
+                   "hop")
+        threading.Event().wait()
+    else:
+        asyncio.run(_serve_aio(kind, port, every))
 
-    asyncio.run(run())
+
+def _handler(push: Callable) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler("bench.Hop", {"Push": grpc.stream_stream_rpc_method_handler(
+        push, request_deserializer=BATCH.FromString, response_serializer=ANSWER.SerializeToString)})
+
+
+async def _serve_aio(kind: str, port: int, every: int) -> None:
+    if kind == "link-aio":  # every message is answered there (the frontend's deltas are)
+        await serve_on_loop("127.0.0.1", port, BATCH.FromString, lambda batch: ANSWER(step=batch.step), "hop")
+        await asyncio.Event().wait()
+
+    async def push(request_iterator, context):
+        async for batch in request_iterator:
+            if (reply := answer(batch, every)) is not None:
+                yield reply
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([_handler(push)])
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+class AnsweredStream:
+    """A gRPC bidirectional call whose every request gets one answer, in order: requests go out from a queue,
+    answers are read on a thread of their own (what the scheduler and the detokenizer used before links)."""
+
+    def __init__(self, channel: grpc.Channel):
+        self.requests: queue.Queue = queue.Queue()
+        self.call = channel.stream_stream(METHOD, request_serializer=BATCH.SerializeToString,
+                                          response_deserializer=ANSWER.FromString)(iter(self.requests.get, None))
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self.call:
+                self.replies.put(reply)
+        except grpc.RpcError:
+            pass  # closed
+
+    def send(self, message) -> None:
+        self.requests.put(message)
+
+    def receive(self, timeout: float):
+        return self.replies.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.call.cancel()
 
 
 class AioStream:
@@ -89,7 +135,8 @@ class AioStream:
 
     async def _open(self, address: str) -> None:
         self.channel = grpc.aio.insecure_channel(address)
-        self.call = detokenizer_pb2_grpc.DetokenizerStub(self.channel).Push()
+        self.call = self.channel.stream_stream(METHOD, request_serializer=BATCH.SerializeToString,
+                                               response_deserializer=ANSWER.FromString)()
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.tasks = [self.loop.create_task(self._write()), self.loop.create_task(self._read())]
 
@@ -119,6 +166,38 @@ class AioStream:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+class LinkStream:
+    """``send``/``receive`` on a link, both on the caller's thread (as the scheduler's)."""
+
+    def __init__(self, port: int):
+        self.link = Link.connect("127.0.0.1", port, timeout=30)
+
+    def send(self, message) -> None:
+        self.link.send(message)
+
+    def receive(self, timeout: float):
+        return self.link.receive(ANSWER.FromString, timeout)
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def connect(client_kind: str, port: int):
+    deadline = time.monotonic() + 30
+    while True:  # until the server listens
+        try:
+            if client_kind == "link":
+                return LinkStream(port)
+            address = f"127.0.0.1:{port}"
+            channel = grpc.insecure_channel(address)
+            grpc.channel_ready_future(channel).result(timeout=30)
+            return AnsweredStream(channel) if client_kind == "threads" else AioStream(address)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def measure(server_kind: str, client_kind: str, every: int, pace: float, messages: int) -> tuple[float, float, float]:
     """(wall µs, client CPU µs, server CPU µs) per message."""
     from pipeline_ceiling import cpu_seconds  # bench/ is this script's folder
@@ -126,12 +205,8 @@ def measure(server_kind: str, client_kind: str, every: int, pace: float, message
     port = free_port()
     server = subprocess.Popen([sys.executable, __file__, "--serve", server_kind, str(port), str(every)])
     try:
-        address = f"127.0.0.1:{port}"
-        grpc.channel_ready_future(grpc.insecure_channel(address)).result(timeout=30)
-        stream = grpc_util.AnsweredStream(detokenizer_pb2_grpc.DetokenizerStub(grpc.insecure_channel(address)).Push,
-                                          "push") if client_kind == "threads" else AioStream(address)
-        batch = detokenizer_pb2.TokenBatch(requests=[detokenizer_pb2.RequestTokens(
-            request_id="0" * 32, first_index=100, token_ids=[1234])])
+        stream = connect(client_kind, port)
+        batch = BATCH(requests=[detokenizer_pb2.RequestTokens(request_id="0" * 32, first_index=100, token_ids=[1234])])
 
         def run(first: int, count: int) -> None:
             for step in range(first, first + count):
@@ -158,6 +233,10 @@ def measure(server_kind: str, client_kind: str, every: int, pace: float, message
         server.wait()
 
 
+VARIANTS = [("link", "link"), ("link-aio", "link"), ("threads", "threads"), ("threads", "aio"), ("aio", "threads"),
+            ("aio", "aio")]  # (server, client)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
@@ -169,15 +248,16 @@ def main() -> None:
     parser.add_argument("--answer-every", type=int, nargs="+", default=[1, 64])
     args = parser.parse_args()
     print(f"{args.messages} messages per row, {os.cpu_count()} cores (µs per message)")
-    print(f"{'server':>8}{'client':>8}{'answered':>10}{'pace ms':>9}{'wall':>8}{'client CPU':>12}{'server CPU':>12}")
+    print(f"{'server':>9}{'client':>8}{'answered':>10}{'pace ms':>9}{'wall':>8}{'client CPU':>12}{'server CPU':>12}")
     for pace in args.pace_ms:
         for every in args.answer_every:
-            for server_kind in ("threads", "aio"):
-                for client_kind in ("threads", "aio"):
-                    wall, client, server = measure(server_kind, client_kind, every, pace / 1000, args.messages)
-                    label = "each" if every == 1 else f"1/{every}"
-                    print(f"{server_kind:>8}{client_kind:>8}{label:>10}{pace:9.1f}{wall:8.0f}{client:12.0f}"
-                          f"{server:12.0f}", flush=True)
+            for server_kind, client_kind in VARIANTS:
+                if server_kind == "link-aio" and every != 1:
+                    continue
+                wall, client, server = measure(server_kind, client_kind, every, pace / 1000, args.messages)
+                label = "each" if every == 1 else f"1/{every}"
+                print(f"{server_kind:>9}{client_kind:>8}{label:>10}{pace:9.1f}{wall:8.0f}{client:12.0f}"
+                      f"{server:12.0f}", flush=True)
 
 
 if __name__ == "__main__":

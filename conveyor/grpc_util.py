@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import signal
 import threading
-from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -380,49 +378,3 @@ async def aio_wait_for_termination(server: grpc.aio.Server, on_stop=None, grace:
     if on_stop:
         await on_stop()
     await server.stop(grace)
-
-
-class AnsweredStream:
-    """A bidirectional call whose every request gets one answer, in order: requests go out from a queue, answers
-    are read on a thread of their own, so ``receive`` can give up on a peer that stopped answering. One call
-    serves every message (no call set-up per message, as a unary call pays). ``reset`` drops the call for a
-    new one (after a failure, or to abandon what was in flight)."""
-
-    def __init__(self, method: Callable, name: str):
-        self.method = method  # a stub's stream-stream method
-        self.name = name
-        self._open()
-
-    def _open(self) -> None:
-        self.requests: queue.Queue = queue.Queue()
-        self.call = self.method(iter(self.requests.get, None))
-        self.replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, args=(self.call, self.replies), name=f"{self.name}-replies",
-                         daemon=True).start()
-
-    def _read(self, call, replies: queue.Queue) -> None:
-        try:
-            for reply in call:
-                replies.put(reply)
-            replies.put(ConnectionError(f"the peer ended the {self.name} stream"))
-        except grpc.RpcError as exc:
-            replies.put(exc)
-
-    def send(self, message) -> None:
-        self.requests.put(message)
-
-    def receive(self, timeout: float | None):
-        """The next answer; a failed call's ``grpc.RpcError`` (or ConnectionError) is returned, not raised.
-        Raises ``TimeoutError`` after ``timeout`` seconds without one."""
-        try:
-            return self.replies.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no answer on the {self.name} stream within {timeout:g} s") from None
-
-    def close(self) -> None:
-        self.requests.put(None)
-        self.call.cancel()
-
-    def reset(self) -> None:
-        self.close()
-        self._open()

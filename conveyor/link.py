@@ -1,22 +1,17 @@
-"""A link: protobuf messages, each after its length, over one TCP connection, for the stream that runs once per
-engine step between two processes on the hot path (the scheduler's steps to its worker).
-
-Why not gRPC there: a gRPC message in Python wakes three or four threads on its way (the request iterator's,
-the channel's poller, the reader's, the caller's), about 0.5 ms of CPU a round trip when steps come every few
-milliseconds, the same with ``grpc.aio`` (``bench/grpc_hop.py``: run it to see both). On a CPU that time comes
-out of the model's cores. A link costs one ``send`` and one wake of the thread blocked reading it (~0.15 ms a
-paced round trip). It keeps what the stream needs from gRPC: mutual TLS with the internal certificates
-(``CONVEYOR_INTERNAL_TLS_DIR``), a size limit, an error that ends the stream with a status name and the
-sequence at fault, timeouts, and a broken connection seen at once. Everything else (health, reflection,
-``Info``) stays on the service's gRPC port, which advertises the link's.
-
-Frames: a 5-byte header (little-endian u32 length, u8 kind) then the bytes: a message, or an error (JSON
-``{"code", "details", "culprit"}``) after which the sender closes the link.
+"""Links: the one stream a service receives every engine step (the worker's steps, the detokenizer's token
+batches, the frontend's deltas), as protobuf messages after their length on one TCP connection. The format
+and why not gRPC: ``protos/conveyor/v1/link.proto``. A message costs one ``send`` and one wake of the thread
+(or event loop) that reads it (``bench/grpc_hop.py`` measures both). What the streams need from gRPC is kept:
+mutual TLS with the internal certificates (``CONVEYOR_INTERNAL_TLS_DIR``), a size limit, an error that ends
+the link with a status name and the sequence at fault, timeouts, and a broken connection seen at once.
+Everything else (health, reflection, the ``Link`` call that names the port) stays on the service's gRPC port.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import socket
 import ssl
 import struct
@@ -25,9 +20,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 from conveyor.grpc_util import INTERNAL_TLS_NAME, MAX_MESSAGE_BYTES, internal_tls_folder
+from conveyor.v1 import link_pb2
+
+log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IB")
 MESSAGE, ERROR = 0, 1
+
+
+def frame(message, kind: int = MESSAGE) -> bytes:
+    """A message (or, with ERROR, the bytes of an error) as it goes on the wire."""
+    data = message if kind == ERROR else message.SerializeToString()
+    return HEADER.pack(len(data), kind) + data
+
+
+def error_frame(code: str, details: str, culprit: str | None = None) -> bytes:
+    return frame(json.dumps({"code": code, "details": details, "culprit": culprit}).encode(), ERROR)
+
+
+def host_of(address: str) -> str:
+    """The host of a ``host:port`` address (``[::1]:50053``: ``::1``)."""
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
 class LinkError(Exception):
@@ -76,20 +89,26 @@ class Link:
         sock.settimeout(None)
         return cls(sock, f"{host}:{port}")
 
+    @classmethod
+    def dial(cls, ask: Callable, address: str, timeout: float = 5.0) -> Link:
+        """A link to the service whose gRPC server is at ``address``: ``ask`` is its stub's ``Link`` method,
+        which names the port (on the same host)."""
+        port = ask(link_pb2.LinkRequest(), timeout=timeout).port
+        if not port:
+            raise ConnectionError(f"the service at {address} names no link port")
+        return cls.connect(host_of(address), port, timeout)
+
     def send(self, message) -> None:
         """Send a protobuf message (raises ``OSError`` when the connection is gone)."""
-        self._send(MESSAGE, message.SerializeToString())
+        self.sock.sendall(frame(message))
 
     def fail(self, code: str, details: str, culprit: str | None = None) -> None:
         """End the link with an error the peer's ``receive`` raises as ``LinkError``."""
         try:
-            self._send(ERROR, json.dumps({"code": code, "details": details, "culprit": culprit}).encode())
+            self.sock.sendall(error_frame(code, details, culprit))
         except OSError:
             pass  # the peer is gone: nobody to tell
         self.close()
-
-    def _send(self, kind: int, data: bytes) -> None:
-        self.sock.sendall(HEADER.pack(len(data), kind) + data)
 
     def receive(self, parse: Callable[[bytes], object], timeout: float | None = None):
         """The next message, parsed with ``parse`` (a message class's ``FromString``). Raises ``LinkError``
@@ -169,3 +188,47 @@ class LinkServer:
 
     def close(self) -> None:
         self.listener.close()
+
+
+class LinkService:
+    """What a service's gRPC servicer inherits to name its link's port (the ``Link`` call of link.proto)."""
+
+    link_port = 0  # set once the link listens
+
+    def Link(self, request, context):
+        return link_pb2.LinkResponse(port=self.link_port)
+
+
+async def serve_on_loop(host: str, port: int, parse: Callable[[bytes], object], answer: Callable[[object], object],
+                        name: str) -> asyncio.Server:
+    """Links served on the running event loop (the frontend's): each message parsed with ``parse`` and answered,
+    in order, with ``answer(message)`` (a plain function that must not block the loop). A message that does not
+    parse ends its link with INVALID_ARGUMENT. The server's port: ``server.sockets[0].getsockname()[1]``."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                size, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+                if size > MAX_MESSAGE_BYTES or kind != MESSAGE:
+                    writer.write(error_frame("INVALID_ARGUMENT", f"a {size}-byte frame of kind {kind}: only messages "
+                                             f"(kind {MESSAGE}) of at most {MAX_MESSAGE_BYTES} bytes are taken"))
+                    break
+                data = await reader.readexactly(size)
+                try:
+                    message = parse(data)
+                except Exception as exc:  # noqa: BLE001 - bytes that are not a message: the peer's error
+                    writer.write(error_frame("INVALID_ARGUMENT", f"malformed message: {exc}"))
+                    break
+                writer.write(frame(answer(message)))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass  # the peer went away
+        except asyncio.CancelledError:
+            pass  # the loop is shutting down: this task is the link's whole life, nothing above it waits
+        except Exception:  # noqa: BLE001 - a bug in answer: this link ends, the others go on
+            log.exception("%s link failed", name)
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(serve, host, port, ssl=_tls_context(server=True),
+                                      ssl_handshake_timeout=LinkServer.HANDSHAKE_SECONDS if internal_tls_folder() else None)

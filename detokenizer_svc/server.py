@@ -14,6 +14,7 @@ from conveyor import grpc_util
 from conveyor.engines import Registry
 from conveyor.schedulers import Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument
+from conveyor.link import Link, LinkError, LinkServer, LinkService
 from conveyor.metrics import Metrics
 from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.tokenizer import load_tokenizer
@@ -44,8 +45,8 @@ def delta_to_pb(d: Delta) -> frontend_pb2.Delta:
 
 
 class Channels:
-    """One channel per frontend address, and one ``Deliver`` stream on it, opened on first use (the stream again
-    after a failure, on the same channel). A frontend that just failed is left alone for ``DOWN_SECONDS`` (a
+    """One gRPC channel per frontend address (for its ``Link`` call), and one link to it, opened on first use
+    (again after a failure). A frontend that just failed is left alone for ``DOWN_SECONDS`` (a
     host that drops packets would otherwise hold every step for the answer's timeout).
 
     What a frontend could not take is held here (``hold``) and sent again before anything newer (``held``):
@@ -60,7 +61,7 @@ class Channels:
     def __init__(self, keep_for: float = 30.0):
         self.keep_for = keep_for
         self._stubs: dict[str, frontend_pb2_grpc.FrontendStub] = {}  # one channel per address, kept
-        self._streams: dict[str, grpc_util.AnsweredStream] = {}
+        self._links: dict[str, Link] = {}
         self._down_until: dict[str, float] = {}
         self._held: dict[str, tuple[float, list[Delta]]] = {}  # address -> (since, deltas not delivered)
         self._sending: dict[str, threading.Lock] = {}  # one batch in flight per frontend: answers stay paired
@@ -72,17 +73,21 @@ class Channels:
     def failed(self, address: str) -> None:
         self._down_until[address] = time.monotonic() + self.DOWN_SECONDS
         with self._lock:
-            stream = self._streams.pop(address, None)
-        if stream is not None:
-            stream.close()
+            link = self._links.pop(address, None)
+        if link is not None:
+            link.close()
 
-    def frontend(self, address: str) -> grpc_util.AnsweredStream:
+    def frontend(self, address: str) -> Link:
+        """The link to ``address`` (use it under ``sending(address)``); raises when it cannot be opened."""
         with self._lock:
             if address not in self._stubs:
                 self._stubs[address] = frontend_pb2_grpc.FrontendStub(grpc_util.internal_channel(address))
-            if address not in self._streams:
-                self._streams[address] = grpc_util.AnsweredStream(self._stubs[address].Deliver, "deliver")
-            return self._streams[address]
+            stub, link = self._stubs[address], self._links.get(address)
+        if link is None:
+            link = Link.dial(stub.Link, address, timeout=self.ANSWER_SECONDS)
+            with self._lock:
+                self._links[address] = link
+        return link
 
     def sending(self, address: str) -> threading.Lock:
         """Held while a batch goes to ``address`` and its answer comes back (Push threads and the resender)."""
@@ -171,7 +176,10 @@ class FinishSender:
                     backoff = min(backoff * 2, 1.0)
 
 
-class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
+class DetokenizerService(LinkService, detokenizer_pb2_grpc.DetokenizerServicer):
+    """``Replay`` over gRPC, and each scheduler's token batches over a link of its own (``add_link``), read,
+    decoded, delivered and answered on one thread per link."""
+
     def __init__(self, core: DetokenizerCore, schedulers: Schedulers, metrics: Metrics, orphan_timeout: float):
         self.core = core
         self.schedulers = schedulers
@@ -180,9 +188,31 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         self.orphans = Orphans(orphan_timeout)
         threading.Thread(target=self.resend, name="resend", daemon=True).start()
 
-    def Push(self, request_iterator, context):
-        for batch in request_iterator:
-            yield self._push(batch)
+    def add_link(self, link: Link) -> None:
+        threading.Thread(target=self._serve, args=(link,), name="push", daemon=True).start()
+
+    def _serve(self, link: Link) -> None:
+        """Answer a scheduler's batches in order until it goes away; a batch that does not parse, or whose
+        handling fails, ends the link with the error (the scheduler opens a new one and sends it again)."""
+        while True:
+            try:
+                batch = link.receive(detokenizer_pb2.TokenBatch.FromString)
+            except (ConnectionError, OSError, LinkError):
+                break
+            except Exception as exc:  # noqa: BLE001 - bytes that are not a TokenBatch
+                link.fail("INVALID_ARGUMENT", f"malformed token batch: {exc}")
+                return
+            try:
+                reply = self._push(batch)
+            except Exception as exc:  # noqa: BLE001 - this batch failed (Redis, a bug): the scheduler retries
+                log.exception("step %d's tokens failed", batch.step)
+                link.fail("INTERNAL", f"{type(exc).__name__}: {exc}")
+                return
+            try:
+                link.send(reply)
+            except OSError:
+                break
+        link.close()
 
     def _push(self, batch: detokenizer_pb2.TokenBatch) -> detokenizer_pb2.PushResponse:
         start = time.perf_counter()
@@ -241,16 +271,15 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         ``quiet``: it failed before (already logged)."""
         if self.channels.is_down(frontend):
             return None
-        stream = self.channels.frontend(frontend)
-        stream.send(frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas]))
+        batch = frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas])
         try:
-            reply = stream.receive(self.channels.ANSWER_SECONDS)
-        except TimeoutError as exc:
-            reply = exc
-        if not isinstance(reply, frontend_pb2.DeliverResponse):
+            link = self.channels.frontend(frontend)
+            link.send(batch)
+            reply = link.receive(frontend_pb2.DeliverResponse.FromString, self.channels.ANSWER_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - down, restarting, stalled, or it refused the batch
             self.channels.failed(frontend)
-            why = reply.code() if isinstance(reply, grpc.RpcError) else reply
             if not quiet:
+                why = exc.code() if isinstance(exc, grpc.RpcError) else str(exc) or type(exc).__name__
                 log.warning("frontend %s unreachable (%s) for %d requests", frontend, why, len(deltas))
             return None
         return set(reply.unknown_request_ids)
@@ -280,11 +309,14 @@ def serve(cfg: DetokenizerConfig) -> None:
         finish(request_id, num_tokens)
 
     core = DetokenizerCore(tokenizer, store, on_stop)
-    server = grpc_util.make_server(max_workers=32, metrics=metrics)  # each engine's Push stream keeps one thread
+    server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
-    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(core, schedulers, metrics, cfg.orphan_timeout), server)
+    service = DetokenizerService(core, schedulers, metrics, cfg.orphan_timeout)
+    service.link_port = LinkServer(cfg.host, cfg.link_port, service.add_link, "push").port
+    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(service, server)
     port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
-    log.info("detokenizer serving on %s:%d (metrics on %s:%d)", cfg.host, port, cfg.metrics_host, metrics_port)
+    log.info("detokenizer serving on %s:%d, token batches on link port %d (metrics on %s:%d)", cfg.host, port,
+             service.link_port, cfg.metrics_host, metrics_port)
     grpc_util.wait_for_termination(server, on_stop=lambda: grpc_util.set_serving(health, [SERVICE_NAME], False, metrics))

@@ -115,23 +115,20 @@ class StepChannel:
     """Steps to the worker over its step link (``conveyor.link``): sent in order, answered in order, both on the
     engine's thread (no hand-off per step), so ``receive`` can give up on a worker that stopped answering (hung,
     or its host gone without a reset) after ``step_timeout`` seconds. The link's port comes from the worker's
-    ``Info``, on the host of its gRPC address; it is opened at the first step and after every ``reset``."""
+    ``Link`` call; it is opened at the first step and after every ``reset``."""
 
     REFUSED = ("INVALID_ARGUMENT", "INTERNAL", "UNKNOWN", "RESOURCE_EXHAUSTED")  # the worker is alive, failed it
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str, step_timeout: float = 0.0):
         self.stub = stub
-        self.host = address.rsplit(":", 1)[0].strip("[]")
+        self.address = address
         self.step_timeout = step_timeout or None
         self.link: Link | None = None
 
     def send(self, plan: StepPlan) -> None:
         step = plan_to_pb(plan)  # a request's data that does not fit the wire fails before anything is sent
         if self.link is None:
-            port = self.stub.Info(worker_pb2.InfoRequest(), timeout=5).step_port
-            if not port:
-                raise ConnectionError("the worker's Info names no step link (step_port)")
-            self.link = Link.connect(self.host, port)
+            self.link = Link.dial(self.stub.Link, self.address)
         self.link.send(step)
 
     def receive(self, plan: StepPlan) -> Answer:
@@ -162,13 +159,15 @@ class StepChannel:
 
 
 class Publisher:
-    """Sends token batches to the detokenizer in order, on one ``Push`` stream, from its own thread: each batch
-    waits for its answer before the next goes, and is sent again while the detokenizer is down or asks for it
-    (it could not read some of its requests from Redis). The step loop never waits for the detokenizer."""
+    """Sends token batches to the detokenizer in order, over its link, from its own thread: each batch waits for
+    its answer before the next goes, and is sent again while the detokenizer is down or asks for it (it could
+    not read some of its requests from Redis). The step loop never waits for the detokenizer."""
 
-    def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub, timeout: float = 30.0):
+    def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub, address: str, timeout: float = 30.0):
         self.stub = stub
+        self.address = address
         self.timeout = timeout
+        self.link: Link | None = None
         self.queue: queue.Queue[detokenizer_pb2.TokenBatch] = queue.Queue()
         threading.Thread(target=self._run, name="publisher", daemon=True).start()
 
@@ -176,26 +175,32 @@ class Publisher:
         self.queue.put(outputs_to_pb(step, outputs))
 
     def _run(self) -> None:
-        stream = grpc_util.AnsweredStream(self.stub.Push, "push")
         while True:
             batch = self.queue.get()
             backoff = 0.05
-            while (why := self._push(stream, batch)) is not None:
+            while (why := self._push(batch)) is not None:
                 log.warning("detokenizer push of step %d failed (%s); retrying", batch.step, why)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 0.5)
 
-    def _push(self, stream: grpc_util.AnsweredStream, batch: detokenizer_pb2.TokenBatch) -> str | None:
-        """None once the detokenizer took ``batch``, else why not (the stream is then opened anew)."""
-        stream.send(batch)
+    def _push(self, batch: detokenizer_pb2.TokenBatch) -> str | None:
+        """None once the detokenizer took ``batch``, else why not (the link is then opened anew)."""
         try:
-            reply = stream.receive(self.timeout)
-        except TimeoutError as exc:
-            reply = exc
-        if isinstance(reply, detokenizer_pb2.PushResponse) and reply.step == batch.step:
-            return "it could not read some requests from Redis" if reply.retry else None
-        stream.reset()
-        return reply.code().name if isinstance(reply, grpc.RpcError) else str(reply)
+            if self.link is None:
+                self.link = Link.dial(self.stub.Link, self.address)
+            self.link.send(batch)
+            reply = self.link.receive(detokenizer_pb2.PushResponse.FromString, self.timeout)
+            if reply.step == batch.step:
+                return "it could not read some requests from Redis" if reply.retry else None
+            why = f"it answered step {reply.step}"
+        except grpc.RpcError as exc:  # its Link call: the detokenizer is down
+            why = exc.code().name
+        except Exception as exc:  # noqa: BLE001 - the link broke, timed out or was refused
+            why = str(exc) or type(exc).__name__
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        return why
 
 
 # ---------------------------------------------------------------- the service
@@ -288,7 +293,8 @@ def build_engine(cfg: SchedulerConfig, metrics: Metrics, lease: Lease | None = N
         grpc_util.internal_channel(cfg.detokenizer)
     )
 
-    engine = Engine(scheduler, store, StepChannel(worker, cfg.worker, cfg.step_timeout), Publisher(detokenizer),
+    engine = Engine(scheduler, store, StepChannel(worker, cfg.worker, cfg.step_timeout),
+                    Publisher(detokenizer, cfg.detokenizer),
                     tuple(info.eos_token_ids), metrics=metrics, name=cfg.engine, lease=lease)
     engine.check_request = registration_pb  # raises for data that cannot go on the wire: refused at submission
     watch_redis(store, metrics)

@@ -73,7 +73,7 @@ def _follow_with_replays(replies, live):
 
 
 def test_a_replay_overlapping_live_delivery_reaches_the_client_exactly_once():
-    """A stream behind Redis asks for a replay; while the replay is in flight Deliver hands it the next live
+    """A stream behind Redis asks for a replay; while the replay is in flight the deliver link hands it the next live
     delta. The client gets every character and token exactly once, in order."""
     everything = [Delta("key", 0, text="Hello", first_token_index=0, token_ids=[10, 11]),
                   Delta("key", 5, text=" world", first_token_index=2, token_ids=[12], finish_reason="stop",

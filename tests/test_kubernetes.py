@@ -69,6 +69,8 @@ def test_commands_ports_and_probes_match_the_cli(objects):
         seen.add(args.service)
         ports = {p["containerPort"]: p["name"] for p in c["ports"]}
         assert args.port in ports and args.metrics_port in ports, c["name"]
+        if args.service in ("worker", "detokenizer", "frontend"):  # a fixed link port, named for the policies
+            assert args.link_port in ports, c["name"]
         assert args.host == "0.0.0.0" and args.metrics_host == "0.0.0.0"  # the kubelet probes the pod IP
         for probe in ("readinessProbe", "livenessProbe"):
             grpc = c[probe]["grpc"]
@@ -93,7 +95,8 @@ def test_commands_ports_and_probes_match_the_cli(objects):
             assert workload["kind"] == "StatefulSet"  # stable names: a restarted engine takes back its requests
         if args.service in ("scheduler", "frontend"):
             host, port = args.detokenizer.split(":")
-            assert {p["port"] for p in services[host]["spec"]["ports"]} == {int(port)}
+            detokenizer = next(a for _, _, _, a in _conveyor_containers(objects) if a.service == "detokenizer")
+            assert {p["port"] for p in services[host]["spec"]["ports"]} == {int(port), detokenizer.link_port}
         if args.service == "frontend":
             assert args.advertise == f"{POD_ENV['$(POD_IP)']}:{args.internal_port}"
             public = {p["port"] for p in services["frontend"]["spec"]["ports"]}
@@ -153,6 +156,9 @@ def test_each_internal_port_is_open_to_its_callers_alone(objects):
     policies = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]: p
                 for p in _by_kind(objects, "NetworkPolicy").values()}
     assert _allowed(policies["engine"], 50053) == []  # the worker: only its own scheduler, inside the pod
+    assert _allowed(policies["engine"], 50058) == []  # its link too
+    assert _allowed(policies["detokenizer"], 50056) == [{"engine"}]  # the token batches' link: schedulers alone
+    assert _allowed(policies["frontend"], 50057) == [{"detokenizer"}]  # the deltas' link
     assert _allowed(policies["engine"], 50052) == [{"frontend", "detokenizer"}]
     assert _allowed(policies["redis"], 6379) == [{"frontend", "detokenizer", "engine"}]
     assert _allowed(policies["detokenizer"], 50054) == [{"frontend", "engine"}]

@@ -22,7 +22,7 @@ from conveyor.client import Client
 from conveyor.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
 from conveyor import grpc_util
 from conveyor.link import HEADER
-from conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from conveyor.v1 import link_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-9876543210ab"}
 CHAT = [{"role": "user", "content": "Count from one to fifty in words."}]
@@ -185,7 +185,7 @@ def test_internal_services_with_mutual_tls_refuse_peers_without_a_certificate(ce
         with grpc.secure_channel(scheduler, ca_only, options=options) as anonymous, pytest.raises(grpc.RpcError):
             scheduler_pb2_grpc.SchedulerStub(anonymous).Info(info, timeout=5)
         with grpc_util.internal_channel(s.child("worker").health) as channel:  # the scheduler's certificates
-            step_port = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=10).step_port
+            step_port = worker_pb2_grpc.WorkerStub(channel).Link(link_pb2.LinkRequest(), timeout=10).port
         step = worker_pb2.StepRequest(step_id=1, free_all=True).SerializeToString()
         step = HEADER.pack(len(step), 0) + step  # a step that would make the worker forget every sequence
         anonymous_tls = ssl.create_default_context(cafile=str(certs / "ca.pem"))  # verifies the worker, has no cert

@@ -61,7 +61,7 @@ def test_info_describes_model_and_cache(stub, default_model):
 
 
 def open_link(stub) -> Link:
-    return Link.connect("127.0.0.1", stub.Info(pb.InfoRequest()).step_port)
+    return Link.dial(stub.Link, "127.0.0.1:0")
 
 
 def step(stub, request: pb.StepRequest) -> pb.StepResponse:

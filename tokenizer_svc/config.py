@@ -15,8 +15,11 @@ class FrontendConfig:
     host: str = setting("127.0.0.1", "address of the public API (0.0.0.0 to accept other machines)")
     port: int = setting(50051, "port of the public API (conveyor.v1.Conveyor)")
     http_port: int = setting(8000, "port of the OpenAI-compatible HTTP API on --host (-1: off; 0: any free port)")
-    internal_host: str = setting("127.0.0.1", "address of the internal Deliver service")
-    internal_port: int = setting(50055, "port of the internal Deliver service")
+    internal_host: str = setting("127.0.0.1", "address of the internal service, where the detokenizer delivers "
+                                              "deltas")
+    internal_port: int = setting(50055, "gRPC port of the internal service (health, and the Link call that names "
+                                        "--link-port)")
+    link_port: int = setting(0, "port of the link the detokenizer sends deltas on, on --internal-host (0: a free one)")
     advertise: str = setting("", "address the detokenizer uses to reach this frontend (default internal host:port)")
     detokenizer: str = setting("127.0.0.1:50054", "address of the detokenizer (asked to replay a stream from Redis)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding request state", secret=True)
@@ -54,6 +57,7 @@ class FrontendConfig:
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        require(0 <= self.link_port < 65536, "link_port", f"must be in [0, 65535], got {self.link_port}")
         require(0 <= self.internal_port < 65536, "internal_port", f"must be in [0, 65535], got {self.internal_port}")
         require(self.max_stop_strings >= 0, "max_stop_strings", "must be >= 0")
         require(self.max_stop_token_ids >= 0, "max_stop_token_ids", "must be >= 0")

@@ -12,7 +12,7 @@ ahead at the next look (a delivery was lost while some process restarted, not me
 it asks for a replay too. So no token is lost or repeated whichever process restarts.
 
 Everything here runs on the frontend's event loop, so a stream's state is only ever changed there: live
-deltas are offered by Deliver, replayed ones by ``keep_up`` once its replay is back, and no lock is needed.
+deltas are offered by the deliver link, replayed ones by ``keep_up`` once its replay is back, and no lock is needed.
 Redis (``AsyncRequestStore``), the schedulers and the detokenizer are reached without blocking the loop;
 only tokenizing (CPU work that would stall every other stream) runs on a thread.
 """
@@ -78,7 +78,7 @@ class ClientStream:
         self.wake: Callable[[], None] = lambda: None  # called after each delta queued
 
     def offer(self, d: Delta) -> None:
-        """Queue the unseen part of a delta (on the event loop: Deliver's live ones, ``keep_up``'s replayed ones)."""
+        """Queue the unseen part of a delta (on the event loop: the deliver link's live ones, ``keep_up``'s replayed ones)."""
         if self.finished:
             return
         if d.first_token_index > self.num_tokens or d.text_offset > self.text_len:
@@ -126,7 +126,7 @@ class Frontend:
                  submit: Callable[[RequestRecord], Awaitable[None]], abort: Callable[[str], Awaitable[bool]],
                  replay: Callable[[str, str], Awaitable[list[Delta]]],
                  route: Callable[[list[int], str], Awaitable[str]] | None = None, shared_prefix_cache: bool = False):
-        """``address``: where the detokenizer reaches this frontend's Deliver service; ``submit(record)`` hands a
+        """``address``: where the detokenizer reaches this frontend's internal service; ``submit(record)`` hands a
         recorded request to its engine (it may change ``record.engine`` for a retry when that engine is gone);
         ``replay(request_id, address)``: the detokenizer's deltas of the request so far, rebuilt from Redis;
         ``route(prompt_ids, cache_scope)``: the engine a new request goes to. Each is a coroutine function.

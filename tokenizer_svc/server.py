@@ -1,13 +1,13 @@
-"""``conveyor serve frontend``: the public Conveyor API, and the internal Deliver service.
+"""``conveyor serve frontend``: the public Conveyor API, the internal service, and the link deltas arrive on.
 
 Two gRPC servers in one process: the public one (clients) and the internal one (the detokenizer),
 so that the internal service can stay on localhost. Protobuf is converted here and nowhere else.
 
 The whole process runs on one asyncio event loop: a client stream is a coroutine, not a thread, so the
 token a client receives costs no thread switch (on the thread-per-stream server each token woke the
-stream's thread and waited for gRPC's; ~85 against ~35 us of CPU per message). The internal server runs
-on the same loop: Deliver hands each delta to its stream there and wakes the stream's coroutine, and a
-stream's state is only ever changed on the loop (``tokenizer_svc.frontend``). Redis (``redis.asyncio``),
+stream's thread and waited for gRPC's; ~85 against ~35 us of CPU per message). The internal server and the
+deliver link run on the same loop: the link hands each delta to its stream there and wakes the stream's
+coroutine, and a stream's state is only ever changed on the loop (``tokenizer_svc.frontend``). Redis (``redis.asyncio``),
 the schedulers' Submit and Abort and the detokenizer's Replay are awaited on the loop too (``grpc.aio``
 stubs); only tokenizing runs on a thread.
 """
@@ -28,6 +28,7 @@ from conveyor import grpc_util
 from conveyor.engines import Registry, Router
 from conveyor.schedulers import Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from conveyor.link import LinkService, serve_on_loop
 from conveyor.messages import Delta
 from conveyor.metrics import Metrics
 from conveyor.params import Limits, SamplingParams, StopParams, Structured, given_from_pb, sampling_defaults
@@ -255,16 +256,19 @@ class ConveyorService(conveyor_pb2_grpc.ConveyorServicer):
         return self.info
 
 
-class FrontendService(frontend_pb2_grpc.FrontendServicer):
-    """Deliver, on the same event loop as the public API: handing deltas to streams never blocks."""
+class FrontendService(LinkService, frontend_pb2_grpc.FrontendServicer):
+    """The detokenizer's deltas, over links served on the same event loop as the public API (``deliver``:
+    handing deltas to streams never blocks)."""
 
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
 
-    async def Deliver(self, request_iterator, context):
-        async for batch in request_iterator:
-            unknown = self.frontend.deliver([delta_from_pb(d) for d in batch.deltas])
-            yield frontend_pb2.DeliverResponse(unknown_request_ids=unknown)
+    async def Link(self, request, context):
+        return LinkService.Link(self, request, context)
+
+    def deliver(self, batch: frontend_pb2.DeltaBatch) -> frontend_pb2.DeliverResponse:
+        return frontend_pb2.DeliverResponse(unknown_request_ids=self.frontend.deliver([delta_from_pb(d)
+                                                                                        for d in batch.deltas]))
 
 
 async def follow_engines(engines: EnginesClient, health, metrics: Metrics, http: OpenAIApi | None,
@@ -377,7 +381,11 @@ async def _serve(cfg: FrontendConfig) -> None:
     )
     internal = grpc_util.make_aio_server(metrics=metrics)
     internal_health = await grpc_util.add_aio_health_and_reflection(internal, [INTERNAL_SERVICE])
-    frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendService(frontend), internal)
+    delivered = FrontendService(frontend)
+    links = await serve_on_loop(cfg.internal_host, cfg.link_port, frontend_pb2.DeltaBatch.FromString,
+                                delivered.deliver, "deliver")
+    delivered.link_port = links.sockets[0].getsockname()[1]
+    frontend_pb2_grpc.add_FrontendServicer_to_server(delivered, internal)
     internal_port = grpc_util.bind_internal(internal, cfg.internal_host, cfg.internal_port)
     # beyond max_streams calls at once, gRPC answers RESOURCE_EXHAUSTED instead of queueing them unseen
     public = grpc_util.make_aio_server(metrics=metrics, interceptors=[AuthInterceptor(access)],
@@ -395,10 +403,10 @@ async def _serve(cfg: FrontendConfig) -> None:
     await grpc_util.set_aio_serving(internal_health, [INTERNAL_SERVICE], True)
     await grpc_util.set_aio_serving(public_health, [PUBLIC_SERVICE], True, metrics)
     watch = asyncio.create_task(follow_engines(engines, public_health, metrics, http))
-    log.info("frontend serving %s on %s:%d%s%s%s (deliveries on %s:%d, metrics on %s:%d)", sinfo.model_name,
+    log.info("frontend serving %s on %s:%d%s%s%s (deliveries on %s:%d, link port %d, metrics on %s:%d)", sinfo.model_name,
              cfg.host, port, " with TLS" if tls else "", f", {len(access.keys.digests)} API keys" if access.keys else "",
              f", OpenAI HTTP API on port {cfg.http_port}" if http else "", cfg.internal_host, internal_port,
-             cfg.metrics_host, metrics_port)
+             delivered.link_port, cfg.metrics_host, metrics_port)
 
     async def stop() -> None:
         watch.cancel()
@@ -408,6 +416,7 @@ async def _serve(cfg: FrontendConfig) -> None:
         if http_server is not None:
             await http_server.stop()
         await internal.stop(5)
+        links.close()
 
     await grpc_util.aio_wait_for_termination(public, on_stop=stop)
     await store.redis.aclose()

@@ -1,7 +1,7 @@
 """Following a client stream on the event loop, for every public API of the frontend (gRPC and HTTP).
 
 ``follow`` yields a request's deltas as the detokenizer delivers them, without a thread per stream:
-Deliver (on the same loop) wakes the stream's coroutine, and a replay is offered by the coroutine itself
+The deliver link (on the same loop) wakes the stream's coroutine, and a replay is offered by the coroutine itself
 once it is back, so a stream is only ever changed on the loop.
 """
 
@@ -62,7 +62,7 @@ async def follow(stream: ClientStream, frontend: Frontend, timer: RequestTimer, 
     goes away: ``finally`` then closes the stream, which aborts the request. Raises ``DeadlineExceeded``
     after ``timeout`` seconds (0: none), and ``ConveyorError`` with the reason when the request failed."""
     ready = asyncio.Event()
-    stream.wake = ready.set  # every delta is offered on this loop (Deliver, or the replays keep_up offers)
+    stream.wake = ready.set  # every delta is offered on this loop (the deliver link's, or the replays keep_up offers)
     metrics.client_streams.inc()
     deadline = time.monotonic() + timeout if timeout else None
     ended = False

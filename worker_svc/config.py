@@ -19,8 +19,8 @@ class WorkerConfig:
     model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a .gguf file, or a Hugging Face folder")
     host: str = setting("127.0.0.1", "address to listen on (internal service: localhost by default)")
     port: int = setting(50053, "gRPC port (0 picks a free one)")
-    step_port: int = setting(0, "port of the step link, where the scheduler sends engine steps (0: a free one; "
-                                "the worker's Info names it to the scheduler)")
+    link_port: int = setting(0, "port of the link the scheduler sends engine steps on (0: a free one; the worker's "
+                                "Link call names it)")
     device: str = setting("auto", "'auto' (cuda when present, else cpu), 'cpu', 'cuda' or 'cuda:N'")
     dtype: str = setting("auto", "compute dtype; auto is bfloat16 on cuda and float32 on cpu", choices=DTYPES)
     block_size: int = setting(16, "tokens per KV cache block")
@@ -75,7 +75,7 @@ class WorkerConfig:
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
-        require(0 <= self.step_port < 65536, "step_port", f"must be in [0, 65535], got {self.step_port}")
+        require(0 <= self.link_port < 65536, "link_port", f"must be in [0, 65535], got {self.link_port}")
         require(0 <= self.metrics_port < 65536, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
         require(1 <= self.block_size <= 1024, "block_size", f"must be in [1, 1024], got {self.block_size}")
         require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")

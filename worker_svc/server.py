@@ -14,7 +14,7 @@ import torch
 
 from conveyor import grpc_util
 from conveyor.errors import InvalidArgument
-from conveyor.link import Link, LinkError, LinkServer
+from conveyor.link import Link, LinkError, LinkServer, LinkService
 from conveyor.metrics import Metrics
 from conveyor.params import Limits, SamplingParams, StopParams, Structured, from_pb
 from conveyor.structured import Constraints
@@ -84,7 +84,7 @@ def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> wo
 # ---------------------------------------------------------------- the service
 
 
-class WorkerService(worker_pb2_grpc.WorkerServicer):
+class WorkerService(LinkService, worker_pb2_grpc.WorkerServicer):
     """``Info`` over gRPC, and the steps of the scheduler's step link (``conveyor.link``) on one thread of their
     own: it reads a step, runs it and answers, then reads the next, which the scheduler sent while this one ran,
     so a busy worker never sleeps between steps and a step costs no hand-off between threads. Every step runs on
@@ -265,12 +265,12 @@ def serve(cfg: WorkerConfig) -> None:
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     service = WorkerService(runner, info, metrics)
-    links = LinkServer(cfg.host, cfg.step_port, service.add_link, "step")
-    info.step_port = links.port
+    links = LinkServer(cfg.host, cfg.link_port, service.add_link, "step")
+    service.link_port = links.port
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()
     grpc_util.set_serving(health, [SERVICE_NAME], True, metrics)
-    log.info("worker serving %s on %s:%d, steps on port %d (metrics on %s:%d)", info.model_name, cfg.host, port,
+    log.info("worker serving %s on %s:%d, steps on link port %d (metrics on %s:%d)", info.model_name, cfg.host, port,
              links.port, cfg.metrics_host, metrics_port)
     grpc_util.wait_for_termination(server, on_stop=lambda: grpc_util.set_serving(health, [SERVICE_NAME], False, metrics))

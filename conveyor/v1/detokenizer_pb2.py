@@ -24,25 +24,26 @@ _sym_db = _symbol_database.Default()
 
 from conveyor.v1 import conveyor_pb2 as conveyor_dot_v1_dot_conveyor__pb2
 from conveyor.v1 import frontend_pb2 as conveyor_dot_v1_dot_frontend__pb2
+from conveyor.v1 import link_pb2 as conveyor_dot_v1_dot_link__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63onveyor/v1/detokenizer.proto\x12\x0b\x63onveyor.v1\x1a\x1a\x63onveyor/v1/conveyor.proto\x1a\x1a\x63onveyor/v1/frontend.proto\"\xc5\x01\n\rRequestTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x18\n\x10stopped_by_token\x18\x05 \x01(\x08\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\"H\n\nTokenBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\x08requests\x18\x02 \x03(\x0b\x32\x1a.conveyor.v1.RequestTokens\"+\n\x0cPushResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05retry\x18\x02 \x01(\x08\"5\n\rReplayRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x66rontend\x18\x02 \x01(\t\"4\n\x0eReplayResponse\x12\"\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x12.conveyor.v1.Delta2\x90\x01\n\x0b\x44\x65tokenizer\x12>\n\x04Push\x12\x17.conveyor.v1.TokenBatch\x1a\x19.conveyor.v1.PushResponse(\x01\x30\x01\x12\x41\n\x06Replay\x12\x1a.conveyor.v1.ReplayRequest\x1a\x1b.conveyor.v1.ReplayResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63onveyor/v1/detokenizer.proto\x12\x0b\x63onveyor.v1\x1a\x1a\x63onveyor/v1/conveyor.proto\x1a\x1a\x63onveyor/v1/frontend.proto\x1a\x16\x63onveyor/v1/link.proto\"\xc5\x01\n\rRequestTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x18\n\x10stopped_by_token\x18\x05 \x01(\x08\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\"H\n\nTokenBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\x08requests\x18\x02 \x03(\x0b\x32\x1a.conveyor.v1.RequestTokens\"+\n\x0cPushResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05retry\x18\x02 \x01(\x08\"5\n\rReplayRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x66rontend\x18\x02 \x01(\t\"4\n\x0eReplayResponse\x12\"\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x12.conveyor.v1.Delta2\x8d\x01\n\x0b\x44\x65tokenizer\x12;\n\x04Link\x12\x18.conveyor.v1.LinkRequest\x1a\x19.conveyor.v1.LinkResponse\x12\x41\n\x06Replay\x12\x1a.conveyor.v1.ReplayRequest\x1a\x1b.conveyor.v1.ReplayResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'conveyor.v1.detokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTTOKENS']._serialized_start=103
-  _globals['_REQUESTTOKENS']._serialized_end=300
-  _globals['_TOKENBATCH']._serialized_start=302
-  _globals['_TOKENBATCH']._serialized_end=374
-  _globals['_PUSHRESPONSE']._serialized_start=376
-  _globals['_PUSHRESPONSE']._serialized_end=419
-  _globals['_REPLAYREQUEST']._serialized_start=421
-  _globals['_REPLAYREQUEST']._serialized_end=474
-  _globals['_REPLAYRESPONSE']._serialized_start=476
-  _globals['_REPLAYRESPONSE']._serialized_end=528
-  _globals['_DETOKENIZER']._serialized_start=531
-  _globals['_DETOKENIZER']._serialized_end=675
+  _globals['_REQUESTTOKENS']._serialized_start=127
+  _globals['_REQUESTTOKENS']._serialized_end=324
+  _globals['_TOKENBATCH']._serialized_start=326
+  _globals['_TOKENBATCH']._serialized_end=398
+  _globals['_PUSHRESPONSE']._serialized_start=400
+  _globals['_PUSHRESPONSE']._serialized_end=443
+  _globals['_REPLAYREQUEST']._serialized_start=445
+  _globals['_REPLAYREQUEST']._serialized_end=498
+  _globals['_REPLAYRESPONSE']._serialized_start=500
+  _globals['_REPLAYRESPONSE']._serialized_end=552
+  _globals['_DETOKENIZER']._serialized_start=555
+  _globals['_DETOKENIZER']._serialized_end=696
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from conveyor.v1 import detokenizer_pb2 as conveyor_dot_v1_dot_detokenizer__pb2
+from conveyor.v1 import link_pb2 as conveyor_dot_v1_dot_link__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -26,7 +27,10 @@ if _version_not_supported:
 
 
 class DetokenizerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Each scheduler sends the new tokens of each engine step (TokenBatch, in step order) over the detokenizer's
+    link (link.proto), one link per scheduler: every batch is answered (PushResponse) before the next is sent.
+    Requests it has not seen are read from Redis.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -34,10 +38,10 @@ class DetokenizerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Push = channel.stream_stream(
-                '/conveyor.v1.Detokenizer/Push',
-                request_serializer=conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.SerializeToString,
-                response_deserializer=conveyor_dot_v1_dot_detokenizer__pb2.PushResponse.FromString,
+        self.Link = channel.unary_unary(
+                '/conveyor.v1.Detokenizer/Link',
+                request_serializer=conveyor_dot_v1_dot_link__pb2.LinkRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_link__pb2.LinkResponse.FromString,
                 _registered_method=True)
         self.Replay = channel.unary_unary(
                 '/conveyor.v1.Detokenizer/Replay',
@@ -47,11 +51,13 @@ class DetokenizerStub:
 
 
 class DetokenizerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Each scheduler sends the new tokens of each engine step (TokenBatch, in step order) over the detokenizer's
+    link (link.proto), one link per scheduler: every batch is answered (PushResponse) before the next is sent.
+    Requests it has not seen are read from Redis.
+    """
 
-    def Push(self, request_iterator, context):
-        """The new tokens of each engine step, in step order, on one stream the scheduler keeps open: every batch is
-        answered before the next is sent. Requests it has not seen are read from Redis.
+    def Link(self, request, context):
+        """Where its link for token batches listens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,10 +75,10 @@ class DetokenizerServicer:
 
 def add_DetokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Push': grpc.stream_stream_rpc_method_handler(
-                    servicer.Push,
-                    request_deserializer=conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.FromString,
-                    response_serializer=conveyor_dot_v1_dot_detokenizer__pb2.PushResponse.SerializeToString,
+            'Link': grpc.unary_unary_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=conveyor_dot_v1_dot_link__pb2.LinkRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_link__pb2.LinkResponse.SerializeToString,
             ),
             'Replay': grpc.unary_unary_rpc_method_handler(
                     servicer.Replay,
@@ -88,10 +94,13 @@ def add_DetokenizerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Detokenizer:
-    """Missing associated documentation comment in .proto file."""
+    """Each scheduler sends the new tokens of each engine step (TokenBatch, in step order) over the detokenizer's
+    link (link.proto), one link per scheduler: every batch is answered (PushResponse) before the next is sent.
+    Requests it has not seen are read from Redis.
+    """
 
     @staticmethod
-    def Push(request_iterator,
+    def Link(request,
             target,
             options=(),
             channel_credentials=None,
@@ -101,12 +110,12 @@ class Detokenizer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
-            '/conveyor.v1.Detokenizer/Push',
-            conveyor_dot_v1_dot_detokenizer__pb2.TokenBatch.SerializeToString,
-            conveyor_dot_v1_dot_detokenizer__pb2.PushResponse.FromString,
+            '/conveyor.v1.Detokenizer/Link',
+            conveyor_dot_v1_dot_link__pb2.LinkRequest.SerializeToString,
+            conveyor_dot_v1_dot_link__pb2.LinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,21 +23,22 @@ _sym_db = _symbol_database.Default()
 
 
 from conveyor.v1 import conveyor_pb2 as conveyor_dot_v1_dot_conveyor__pb2
+from conveyor.v1 import link_pb2 as conveyor_dot_v1_dot_link__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63onveyor/v1/frontend.proto\x12\x0b\x63onveyor.v1\x1a\x1a\x63onveyor/v1/conveyor.proto\"\xfe\x01\n\x05\x44\x65lta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btext_offset\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x19\n\x11\x66irst_token_index\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\"0\n\nDeltaBatch\x12\"\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x12.conveyor.v1.Delta\".\n\x0f\x44\x65liverResponse\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t2P\n\x08\x46rontend\x12\x44\n\x07\x44\x65liver\x12\x17.conveyor.v1.DeltaBatch\x1a\x1c.conveyor.v1.DeliverResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63onveyor/v1/frontend.proto\x12\x0b\x63onveyor.v1\x1a\x1a\x63onveyor/v1/conveyor.proto\x1a\x16\x63onveyor/v1/link.proto\"\xfe\x01\n\x05\x44\x65lta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btext_offset\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x19\n\x11\x66irst_token_index\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\"0\n\nDeltaBatch\x12\"\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x12.conveyor.v1.Delta\".\n\x0f\x44\x65liverResponse\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t2G\n\x08\x46rontend\x12;\n\x04Link\x12\x18.conveyor.v1.LinkRequest\x1a\x19.conveyor.v1.LinkResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'conveyor.v1.frontend_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DELTA']._serialized_start=72
-  _globals['_DELTA']._serialized_end=326
-  _globals['_DELTABATCH']._serialized_start=328
-  _globals['_DELTABATCH']._serialized_end=376
-  _globals['_DELIVERRESPONSE']._serialized_start=378
-  _globals['_DELIVERRESPONSE']._serialized_end=424
-  _globals['_FRONTEND']._serialized_start=426
-  _globals['_FRONTEND']._serialized_end=506
+  _globals['_DELTA']._serialized_start=96
+  _globals['_DELTA']._serialized_end=350
+  _globals['_DELTABATCH']._serialized_start=352
+  _globals['_DELTABATCH']._serialized_end=400
+  _globals['_DELIVERRESPONSE']._serialized_start=402
+  _globals['_DELIVERRESPONSE']._serialized_end=448
+  _globals['_FRONTEND']._serialized_start=450
+  _globals['_FRONTEND']._serialized_end=521
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from conveyor.v1 import conveyor_pb2 as _conveyor_pb2
+from conveyor.v1 import link_pb2 as _link_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from conveyor.v1 import frontend_pb2 as conveyor_dot_v1_dot_frontend__pb2
+from conveyor.v1 import link_pb2 as conveyor_dot_v1_dot_link__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class FrontendStub:
-    """Missing associated documentation comment in .proto file."""
+    """The detokenizer sends deltas for requests this frontend owns (DeltaBatch) over the frontend's link
+    (link.proto): every batch is answered (DeliverResponse) before the next is sent.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -34,19 +36,20 @@ class FrontendStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Deliver = channel.stream_stream(
-                '/conveyor.v1.Frontend/Deliver',
-                request_serializer=conveyor_dot_v1_dot_frontend__pb2.DeltaBatch.SerializeToString,
-                response_deserializer=conveyor_dot_v1_dot_frontend__pb2.DeliverResponse.FromString,
+        self.Link = channel.unary_unary(
+                '/conveyor.v1.Frontend/Link',
+                request_serializer=conveyor_dot_v1_dot_link__pb2.LinkRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_link__pb2.LinkResponse.FromString,
                 _registered_method=True)
 
 
 class FrontendServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The detokenizer sends deltas for requests this frontend owns (DeltaBatch) over the frontend's link
+    (link.proto): every batch is answered (DeliverResponse) before the next is sent.
+    """
 
-    def Deliver(self, request_iterator, context):
-        """Deltas for requests this frontend owns, on one stream per detokenizer: every batch is answered before the
-        next is sent.
+    def Link(self, request, context):
+        """Where its link for deltas listens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -55,10 +58,10 @@ class FrontendServicer:
 
 def add_FrontendServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Deliver': grpc.stream_stream_rpc_method_handler(
-                    servicer.Deliver,
-                    request_deserializer=conveyor_dot_v1_dot_frontend__pb2.DeltaBatch.FromString,
-                    response_serializer=conveyor_dot_v1_dot_frontend__pb2.DeliverResponse.SerializeToString,
+            'Link': grpc.unary_unary_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=conveyor_dot_v1_dot_link__pb2.LinkRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_link__pb2.LinkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -69,10 +72,12 @@ def add_FrontendServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Frontend:
-    """Missing associated documentation comment in .proto file."""
+    """The detokenizer sends deltas for requests this frontend owns (DeltaBatch) over the frontend's link
+    (link.proto): every batch is answered (DeliverResponse) before the next is sent.
+    """
 
     @staticmethod
-    def Deliver(request_iterator,
+    def Link(request,
             target,
             options=(),
             channel_credentials=None,
@@ -82,12 +87,12 @@ class Frontend:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
-            '/conveyor.v1.Frontend/Deliver',
-            conveyor_dot_v1_dot_frontend__pb2.DeltaBatch.SerializeToString,
-            conveyor_dot_v1_dot_frontend__pb2.DeliverResponse.FromString,
+            '/conveyor.v1.Frontend/Link',
+            conveyor_dot_v1_dot_link__pb2.LinkRequest.SerializeToString,
+            conveyor_dot_v1_dot_link__pb2.LinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,31 +23,32 @@ _sym_db = _symbol_database.Default()
 
 
 from conveyor.v1 import conveyor_pb2 as conveyor_dot_v1_dot_conveyor__pb2
+from conveyor.v1 import link_pb2 as conveyor_dot_v1_dot_link__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63onveyor/v1/worker.proto\x12\x0b\x63onveyor.v1\x1a\x1a\x63onveyor/v1/conveyor.proto\"\r\n\x0bInfoRequest\"\x94\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\t \x01(\x04\x12\x19\n\x0c\x62os_token_id\x18\n \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bverify_cost\x18\x0b \x03(\x02\x12\x11\n\tstep_port\x18\x0c \x01(\rB\x0f\n\r_bos_token_id\"\xd2\x02\n\rSequenceChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.conveyor.v1.SamplingOptions\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x13\n\x0b\x64\x65\x63ode_last\x18\x08 \x01(\x08\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\t \x03(\r\x12)\n\x04stop\x18\n \x01(\x0b\x32\x1b.conveyor.v1.StopConditions\x12+\n\nstructured\x18\x0b \x01(\x0b\x32\x17.conveyor.v1.Structured\x12\x12\n\nmax_drafts\x18\x0c \x01(\r\"r\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1a.conveyor.v1.SequenceChunk\x12\x14\n\x0c\x66ree_seq_ids\x18\x03 \x03(\t\x12\x10\n\x08\x66ree_all\x18\x04 \x01(\x08\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xbf\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.conveyor.v1.TokenLogprob\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12+\n\x08\x61\x63\x63\x65pted\x18\x06 \x03(\x0b\x32\x19.conveyor.v1.SampledToken\x12\x0f\n\x07\x64rafted\x18\x07 \x01(\r\"\x99\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x06tokens\x18\x02 \x03(\x0b\x32\x19.conveyor.v1.SampledToken\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.conveyor.v1.PromptLogprobs\"r\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12)\n\x06tokens\x18\x03 \x03(\x0b\x32\x19.conveyor.v1.SampledToken\x12\r\n\x05ranks\x18\x04 \x03(\r2E\n\x06Worker\x12;\n\x04Info\x12\x18.conveyor.v1.InfoRequest\x1a\x19.conveyor.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63onveyor/v1/worker.proto\x12\x0b\x63onveyor.v1\x1a\x1a\x63onveyor/v1/conveyor.proto\x1a\x16\x63onveyor/v1/link.proto\"\r\n\x0bInfoRequest\"\x81\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\t \x01(\x04\x12\x19\n\x0c\x62os_token_id\x18\n \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bverify_cost\x18\x0b \x03(\x02\x42\x0f\n\r_bos_token_id\"\xd2\x02\n\rSequenceChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.conveyor.v1.SamplingOptions\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x13\n\x0b\x64\x65\x63ode_last\x18\x08 \x01(\x08\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\t \x03(\r\x12)\n\x04stop\x18\n \x01(\x0b\x32\x1b.conveyor.v1.StopConditions\x12+\n\nstructured\x18\x0b \x01(\x0b\x32\x17.conveyor.v1.Structured\x12\x12\n\nmax_drafts\x18\x0c \x01(\r\"r\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1a.conveyor.v1.SequenceChunk\x12\x14\n\x0c\x66ree_seq_ids\x18\x03 \x03(\t\x12\x10\n\x08\x66ree_all\x18\x04 \x01(\x08\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xbf\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.conveyor.v1.TokenLogprob\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12+\n\x08\x61\x63\x63\x65pted\x18\x06 \x03(\x0b\x32\x19.conveyor.v1.SampledToken\x12\x0f\n\x07\x64rafted\x18\x07 \x01(\r\"\x99\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x06tokens\x18\x02 \x03(\x0b\x32\x19.conveyor.v1.SampledToken\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.conveyor.v1.PromptLogprobs\"r\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12)\n\x06tokens\x18\x03 \x03(\x0b\x32\x19.conveyor.v1.SampledToken\x12\r\n\x05ranks\x18\x04 \x03(\r2\x82\x01\n\x06Worker\x12;\n\x04Info\x12\x18.conveyor.v1.InfoRequest\x1a\x19.conveyor.v1.InfoResponse\x12;\n\x04Link\x12\x18.conveyor.v1.LinkRequest\x1a\x19.conveyor.v1.LinkResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'conveyor.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INFOREQUEST']._serialized_start=69
-  _globals['_INFOREQUEST']._serialized_end=82
-  _globals['_INFORESPONSE']._serialized_start=85
-  _globals['_INFORESPONSE']._serialized_end=361
-  _globals['_SEQUENCECHUNK']._serialized_start=364
-  _globals['_SEQUENCECHUNK']._serialized_end=702
-  _globals['_STEPREQUEST']._serialized_start=704
-  _globals['_STEPREQUEST']._serialized_end=818
-  _globals['_TOKENLOGPROB']._serialized_start=820
-  _globals['_TOKENLOGPROB']._serialized_end=869
-  _globals['_SAMPLEDTOKEN']._serialized_start=872
-  _globals['_SAMPLEDTOKEN']._serialized_end=1063
-  _globals['_STEPRESPONSE']._serialized_start=1066
-  _globals['_STEPRESPONSE']._serialized_end=1219
-  _globals['_PROMPTLOGPROBS']._serialized_start=1221
-  _globals['_PROMPTLOGPROBS']._serialized_end=1335
-  _globals['_WORKER']._serialized_start=1337
-  _globals['_WORKER']._serialized_end=1406
+  _globals['_INFOREQUEST']._serialized_start=93
+  _globals['_INFOREQUEST']._serialized_end=106
+  _globals['_INFORESPONSE']._serialized_start=109
+  _globals['_INFORESPONSE']._serialized_end=366
+  _globals['_SEQUENCECHUNK']._serialized_start=369
+  _globals['_SEQUENCECHUNK']._serialized_end=707
+  _globals['_STEPREQUEST']._serialized_start=709
+  _globals['_STEPREQUEST']._serialized_end=823
+  _globals['_TOKENLOGPROB']._serialized_start=825
+  _globals['_TOKENLOGPROB']._serialized_end=874
+  _globals['_SAMPLEDTOKEN']._serialized_start=877
+  _globals['_SAMPLEDTOKEN']._serialized_end=1068
+  _globals['_STEPRESPONSE']._serialized_start=1071
+  _globals['_STEPRESPONSE']._serialized_end=1224
+  _globals['_PROMPTLOGPROBS']._serialized_start=1226
+  _globals['_PROMPTLOGPROBS']._serialized_end=1340
+  _globals['_WORKER']._serialized_start=1343
+  _globals['_WORKER']._serialized_end=1473
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from conveyor.v1 import conveyor_pb2 as _conveyor_pb2
+from conveyor.v1 import link_pb2 as _link_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -12,7 +13,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "num_blocks", "block_size", "dtype", "device", "block_bytes", "bos_token_id", "verify_cost", "step_port")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_model_len", "num_blocks", "block_size", "dtype", "device", "block_bytes", "bos_token_id", "verify_cost")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -24,7 +25,6 @@ class InfoResponse(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
-    STEP_PORT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -36,8 +36,7 @@ class InfoResponse(_message.Message):
     block_bytes: int
     bos_token_id: int
     verify_cost: _containers.RepeatedScalarFieldContainer[float]
-    step_port: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_bytes: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., verify_cost: _Optional[_Iterable[float]] = ..., step_port: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_bytes: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., verify_cost: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceChunk(_message.Message):
     __slots__ = ("seq_id", "token_ids", "start_pos", "new_block_ids", "sample", "sampling", "num_prompt_tokens", "decode_last", "cached_token_ids", "stop", "structured", "max_drafts")

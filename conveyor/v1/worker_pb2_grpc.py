@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from conveyor.v1 import link_pb2 as conveyor_dot_v1_dot_link__pb2
 from conveyor.v1 import worker_pb2 as conveyor_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -39,13 +40,25 @@ class WorkerStub:
                 request_serializer=conveyor_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_worker__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Link = channel.unary_unary(
+                '/conveyor.v1.Worker/Link',
+                request_serializer=conveyor_dot_v1_dot_link__pb2.LinkRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_link__pb2.LinkResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Info(self, request, context):
-        """What the worker serves, how much KV cache it has, and where its step link listens.
+        """What the worker serves and how much KV cache it has.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Link(self, request, context):
+        """Where its link for steps listens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -58,6 +71,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=conveyor_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_worker__pb2.InfoResponse.SerializeToString,
+            ),
+            'Link': grpc.unary_unary_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=conveyor_dot_v1_dot_link__pb2.LinkRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_link__pb2.LinkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +105,33 @@ class Worker:
             '/conveyor.v1.Worker/Info',
             conveyor_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             conveyor_dot_v1_dot_worker__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.Worker/Link',
+            conveyor_dot_v1_dot_link__pb2.LinkRequest.SerializeToString,
+            conveyor_dot_v1_dot_link__pb2.LinkResponse.FromString,
             options,
             channel_credentials,
             insecure,
