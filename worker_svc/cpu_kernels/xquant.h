@@ -15,6 +15,24 @@
 
 enum { RATIO = 254 };
 
+// 4 x 8 int32 (each in [-127, 127]) -> 32 int8 in order at xq; returns their sum.
+static inline int32_t store_block(const __m256i q[4], int8_t *xq) {
+    // packs interleave 128-bit lanes; the permute undoes it
+    __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i p = _mm256_packs_epi16(p01, p23);
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)xq, p);
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_hadd_epi32(t, t);
+    t = _mm_hadd_epi32(t, t);
+    return _mm_cvtsi128_si32(t);
+}
+
+static inline __m256i round_to_int(__m256 v) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // One block of 32 floats -> 32 int8 (xq) with its scale; returns the sum of the int8 values.
 static inline int32_t quantize_block(const float *x, int8_t *xq, float *scale) {
     __m256 v[4], amax = _mm256_setzero_ps();
@@ -29,21 +47,25 @@ static inline int32_t quantize_block(const float *x, int8_t *xq, float *scale) {
     const float d = _mm_cvtss_f32(m) / 127.0f;
     const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
     __m256i q[4];
-    __m256i total = _mm256_setzero_si256();
-    for (int i = 0; i < 4; i++) {
-        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        total = _mm256_add_epi32(total, q[i]);
-    }
-    // 4 x 8 int32 -> 32 int8 in order (packs interleave 128-bit lanes; the permute undoes it)
-    __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
-    __m256i p = _mm256_packs_epi16(p01, p23);
-    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)xq, p);
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_hadd_epi32(t, t);
-    t = _mm_hadd_epi32(t, t);
+    for (int i = 0; i < 4; i++) q[i] = round_to_int(_mm256_mul_ps(v[i], id));
     *scale = d;
-    return _mm_cvtsi128_si32(t);
+    return store_block(q, xq);
+}
+
+// The second pass over a block: what the first (q0, scale d) left, in units of d / RATIO, clamped to [-127, 127],
+// into q1; returns its sum. The same arithmetic as rest = x - d q0, q1 = lrintf(rest / (d / RATIO)).
+static inline int32_t quantize_rest(const float *x, const int8_t *q0, float d, int8_t *q1) {
+    const float d2 = d / RATIO;
+    const __m256 vd = _mm256_set1_ps(d), id2 = _mm256_set1_ps(d2 != 0.0f ? 1.0f / d2 : 0.0f);
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q0 + 8 * i))));
+        const __m256 rest = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * i), _mm256_mul_ps(vd, first));
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(rest, id2), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    return store_block(q, q1);
 }
 
 // M rows of K (a multiple of 32) -> xq (M, passes, K) int8; per row m and block b: xd[m nb + b] the scale of one
@@ -61,17 +83,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int passes, int8
             xd[m * nb + b] = d;
             xsum[m * nb + b] = sum0;
             if (passes == 1) continue;
-            const float d2 = d / RATIO, id2 = d2 != 0.0f ? 1.0f / d2 : 0.0f;
-            int8_t *q1 = q0 + K;
-            int32_t sum1 = 0;
-            for (int i = 0; i < 32; i++) {
-                const float rest = xb[i] - d * (float)q0[i];
-                int32_t q = (int32_t)lrintf(rest * id2);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                q1[i] = (int8_t)q;
-                sum1 += q;
-            }
-            xd[m * nb + b] = d2;
+            const int32_t sum1 = quantize_rest(xb, q0, d, q0 + K);
+            xd[m * nb + b] = d / RATIO;
             xsum[m * nb + b] = RATIO * sum0 + sum1;
         }
     }
