@@ -13,10 +13,6 @@ FINISH_TO_PB = {
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
-# Trailing metadata of a failed worker step: the sequence at fault, when the worker can tell (the
-# scheduler then blames that request alone).
-FAILED_SEQ_METADATA = "conveyor-failed-seq"
-
 
 def logprobs_to_pb(token_id: int, entry) -> conveyor_pb2.TokenLogprobs:
     """``entry``: (logprob, [(token_id, logprob), ...])."""
