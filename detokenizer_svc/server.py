@@ -90,7 +90,8 @@ class Channels:
         return link
 
     def sending(self, address: str) -> threading.Lock:
-        """Held while a batch goes to ``address`` and its answer comes back (Push threads and the resender)."""
+        """Held while a batch goes to ``address`` and its answer comes back (the schedulers' link threads and the
+        resender)."""
         with self._lock:
             return self._sending.setdefault(address, threading.Lock())
 
