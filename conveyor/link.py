@@ -129,8 +129,9 @@ class Link:
         try:
             self._read_into(self._header)
             size, kind = HEADER.unpack(self._header)
-            if size > MAX_MESSAGE_BYTES:
-                raise ConnectionError(f"{self.peer} sent a {size}-byte message (the limit is {MAX_MESSAGE_BYTES})")
+            if size > MAX_MESSAGE_BYTES or kind not in (MESSAGE, ERROR):
+                raise ConnectionError(f"{self.peer} sent a {size}-byte frame of kind {kind} (frames are messages or "
+                                      f"errors of at most {MAX_MESSAGE_BYTES} bytes)")
             data = bytearray(size)
             self._read_into(data)
         except socket.timeout:
@@ -164,7 +165,7 @@ class Link:
 
 class LinkServer:
     """Accepts links on ``host:port`` (0: a free port, in ``port``) and hands each, connected and through its
-    TLS handshake, to ``on_link`` on the thread that accepted it (``on_link`` must not block)."""
+    TLS handshake (on a thread of its own, so a slow one holds up no other), to ``on_link``."""
 
     HANDSHAKE_SECONDS = 10.0  # a peer that connects and says nothing does not hold the next one up longer
 
