@@ -143,6 +143,31 @@ class Link:
             raise LinkError(error["code"], error["details"], error.get("culprit"))
         return parse(bytes(data))
 
+    def answer_each(self, what: str, parse: Callable[[bytes], object], answer: Callable[[object], object],
+                    refuse: Callable[[Exception], tuple[str, str, str | None]]) -> None:
+        """Answer the peer's messages in order, on this thread, until it goes away or one fails; then close the link.
+        A message that does not parse ends the link with INVALID_ARGUMENT ("malformed ``what``"); one that
+        ``answer`` raises for, with ``refuse(exc)``: (code, details, culprit). Nothing after it is read."""
+        try:
+            while True:
+                try:
+                    message = self.receive(parse)
+                except (ConnectionError, OSError, LinkError):
+                    return  # the peer went away or reconnected
+                except Exception as exc:  # noqa: BLE001 - bytes that are not a message: the peer's error
+                    self.fail("INVALID_ARGUMENT", f"malformed {what}: {exc}")
+                    return
+                try:
+                    reply = answer(message)
+                except Exception as exc:  # noqa: BLE001 - this message failed: the link ends, the service goes on
+                    self.fail(*refuse(exc))
+                    return
+                self.send(reply)
+        except OSError:
+            pass  # the answer could not go: the peer went away
+        finally:
+            self.close()
+
     def _read_into(self, buffer: bytearray) -> None:
         view = memoryview(buffer)
         while view:
@@ -242,5 +267,6 @@ async def serve_on_loop(host: str, port: int, parse: Callable[[bytes], object], 
         finally:
             writer.close()
 
-    return await asyncio.start_server(serve, host, port, ssl=_tls_context(server=True),
-                                      ssl_handshake_timeout=LinkServer.HANDSHAKE_SECONDS if internal_tls_folder() else None)
+    tls = _tls_context(server=True)
+    return await asyncio.start_server(serve, host, port, ssl=tls,
+                                      ssl_handshake_timeout=LinkServer.HANDSHAKE_SECONDS if tls else None)

@@ -14,7 +14,7 @@ from conveyor import grpc_util
 from conveyor.engines import Registry
 from conveyor.schedulers import Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument
-from conveyor.link import Link, LinkError, LinkServer, LinkService
+from conveyor.link import Link, LinkServer, LinkService
 from conveyor.metrics import Metrics
 from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.tokenizer import load_tokenizer
@@ -190,30 +190,15 @@ class DetokenizerService(LinkService, detokenizer_pb2_grpc.DetokenizerServicer):
         threading.Thread(target=self.resend, name="resend", daemon=True).start()
 
     def add_link(self, link: Link) -> None:
-        threading.Thread(target=self._serve, args=(link,), name="push", daemon=True).start()
+        """A scheduler's link: its batches answered in order on a thread of its own until it goes away; one that
+        does not parse or whose handling fails ends the link (the scheduler opens a new one and sends it again)."""
+        threading.Thread(target=link.answer_each, args=("token batch", detokenizer_pb2.TokenBatch.FromString,
+                                                        self._push, self._refusal), name="push", daemon=True).start()
 
-    def _serve(self, link: Link) -> None:
-        """Answer a scheduler's batches in order until it goes away; a batch that does not parse, or whose
-        handling fails, ends the link with the error (the scheduler opens a new one and sends it again)."""
-        while True:
-            try:
-                batch = link.receive(detokenizer_pb2.TokenBatch.FromString)
-            except (ConnectionError, OSError, LinkError):
-                break
-            except Exception as exc:  # noqa: BLE001 - bytes that are not a TokenBatch
-                link.fail("INVALID_ARGUMENT", f"malformed token batch: {exc}")
-                return
-            try:
-                reply = self._push(batch)
-            except Exception as exc:  # noqa: BLE001 - this batch failed (Redis, a bug): the scheduler retries
-                log.exception("step %d's tokens failed", batch.step)
-                link.fail("INTERNAL", f"{type(exc).__name__}: {exc}")
-                return
-            try:
-                link.send(reply)
-            except OSError:
-                break
-        link.close()
+    @staticmethod
+    def _refusal(exc: Exception) -> tuple[str, str, None]:
+        log.error("a step's tokens failed: %s", exc, exc_info=exc)
+        return "INTERNAL", f"{type(exc).__name__}: {exc}", None
 
     def _push(self, batch: detokenizer_pb2.TokenBatch) -> detokenizer_pb2.PushResponse:
         start = time.perf_counter()

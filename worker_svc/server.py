@@ -14,7 +14,7 @@ import torch
 
 from conveyor import grpc_util
 from conveyor.errors import InvalidArgument
-from conveyor.link import Link, LinkError, LinkServer, LinkService
+from conveyor.link import Link, LinkServer, LinkService
 from conveyor.metrics import Metrics
 from conveyor.params import Limits, SamplingParams, StopParams, Structured, from_pb
 from conveyor.structured import Constraints
@@ -115,39 +115,22 @@ class WorkerService(LinkService, worker_pb2_grpc.WorkerServicer):
     def _serve_links(self) -> None:
         while True:
             link = self.links.get()
-            if link is self.current:  # else a newer one replaced it before it was served
-                self._serve(link)
-            link.close()
+            if link is not self.current:  # a newer one replaced it before it was served
+                link.close()
+                continue
+            link.answer_each("step", worker_pb2.StepRequest.FromString,
+                             lambda request: self._run(request.step_id, step_from_pb(request, self.limits)),
+                             self._refusal)
 
-    def _serve(self, link: Link) -> None:
-        """Run the steps of one link until it closes or a step fails (the steps queued behind it do not run)."""
-        while True:
-            try:
-                request = link.receive(worker_pb2.StepRequest.FromString)
-            except (ConnectionError, OSError, LinkError):
-                return  # the scheduler went away or reconnected
-            except Exception as exc:  # noqa: BLE001 - bytes that are not a StepRequest
-                link.fail("INVALID_ARGUMENT", f"malformed step: {exc}")
-                return
-            try:
-                reply = self._run(request.step_id, step_from_pb(request, self.limits))
-            except Exception as exc:  # noqa: BLE001 - the step's error ends the link, the worker goes on
-                self._refuse(link, exc)
-                return
-            try:
-                link.send(reply)
-            except OSError:
-                return
-
-    def _refuse(self, link: Link, exc: Exception) -> None:
-        """End a link with the step's error, naming the sequence at fault when it is known (the scheduler then
-        blames that request alone; otherwise it finds it by running suspects alone)."""
+    @staticmethod
+    def _refusal(exc: Exception) -> tuple[str, str, str | None]:
+        """A failed step's error for the scheduler, naming the sequence at fault when it is known (the scheduler
+        then blames that request alone; otherwise it finds it by running suspects alone)."""
         seq_id = getattr(exc, "seq_id", None)
         if isinstance(exc, InvalidStep):
-            link.fail("INVALID_ARGUMENT", str(exc), seq_id)
-            return
+            return "INVALID_ARGUMENT", str(exc), seq_id
         log.error("step failed: %s", exc, exc_info=True)
-        link.fail("INTERNAL", f"step failed: {type(exc).__name__}: {exc}", seq_id)
+        return "INTERNAL", f"step failed: {type(exc).__name__}: {exc}", seq_id
 
     def _run(self, step_id: int, step: StepInput) -> worker_pb2.StepResponse:
         start = time.perf_counter()
