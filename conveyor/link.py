@@ -188,6 +188,36 @@ class Link:
         self.sock.close()
 
 
+class Peer:
+    """The link to one service, dialled through its ``Link`` call (``ask``, at ``address``) on first use and
+    again after ``drop``."""
+
+    def __init__(self, ask: Callable, address: str, timeout: float = 5.0):
+        self.ask, self.address, self.timeout = ask, address, timeout
+        self.link: Link | None = None
+
+    def open(self) -> Link:
+        if self.link is None:
+            self.link = Link.dial(self.ask, self.address, self.timeout)
+        return self.link
+
+    def drop(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+    def call(self, message, parse: Callable[[bytes], object], timeout: float | None):
+        """Send ``message`` and wait for its answer; on any failure the link is dropped (the next call dials
+        anew) and the error raised."""
+        try:
+            link = self.open()
+            link.send(message)
+            return link.receive(parse, timeout)
+        except BaseException:
+            self.drop()
+            raise
+
+
 class LinkServer:
     """Accepts links on ``host:port`` (0: a free port, in ``port``) and hands each, connected and through its
     TLS handshake (on a thread of its own, so a slow one holds up no other), to ``on_link``."""

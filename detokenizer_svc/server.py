@@ -14,7 +14,7 @@ from conveyor import grpc_util
 from conveyor.engines import Registry
 from conveyor.schedulers import Schedulers
 from conveyor.errors import ConveyorError, InvalidArgument
-from conveyor.link import Link, LinkServer, LinkService
+from conveyor.link import Link, LinkServer, LinkService, Peer
 from conveyor.metrics import Metrics
 from conveyor.state import REDIS_DOWN, RequestStore
 from conveyor.tokenizer import load_tokenizer
@@ -45,8 +45,8 @@ def delta_to_pb(d: Delta) -> frontend_pb2.Delta:
 
 
 class Channels:
-    """One gRPC channel per frontend address (for its ``Link`` call), and one link to it, opened on first use
-    (again after a failure). A frontend that just failed is left alone for ``DOWN_SECONDS`` (a
+    """One ``Peer`` per frontend address (its gRPC channel for the ``Link`` call, and the link, dialled on first
+    use and again after a failure). A frontend that just failed is left alone for ``DOWN_SECONDS`` (a
     host that drops packets would otherwise hold every step for the answer's timeout).
 
     What a frontend could not take is held here (``hold``) and sent again before anything newer (``held``):
@@ -60,8 +60,7 @@ class Channels:
 
     def __init__(self, keep_for: float = 30.0):
         self.keep_for = keep_for
-        self._stubs: dict[str, frontend_pb2_grpc.FrontendStub] = {}  # one channel per address, kept
-        self._links: dict[str, Link] = {}
+        self._peers: dict[str, Peer] = {}  # one per address, kept (with its gRPC channel)
         self._down_until: dict[str, float] = {}
         self._held: dict[str, tuple[float, list[Delta]]] = {}  # address -> (since, deltas not delivered)
         self._sending: dict[str, threading.Lock] = {}  # one batch in flight per frontend: answers stay paired
@@ -71,23 +70,16 @@ class Channels:
         return time.monotonic() < self._down_until.get(address, 0.0)
 
     def failed(self, address: str) -> None:
+        """A call to ``address`` failed (which dropped its link): leave it alone for ``DOWN_SECONDS``."""
         self._down_until[address] = time.monotonic() + self.DOWN_SECONDS
-        with self._lock:
-            link = self._links.pop(address, None)
-        if link is not None:
-            link.close()
 
-    def frontend(self, address: str) -> Link:
-        """The link to ``address`` (use it under ``sending(address)``); raises when it cannot be opened."""
+    def frontend(self, address: str) -> Peer:
+        """The frontend at ``address`` (its link used under ``sending(address)``)."""
         with self._lock:
-            if address not in self._stubs:
-                self._stubs[address] = frontend_pb2_grpc.FrontendStub(grpc_util.internal_channel(address))
-            stub, link = self._stubs[address], self._links.get(address)
-        if link is None:
-            link = Link.dial(stub.Link, address, timeout=self.ANSWER_SECONDS)
-            with self._lock:
-                self._links[address] = link
-        return link
+            if address not in self._peers:
+                stub = frontend_pb2_grpc.FrontendStub(grpc_util.internal_channel(address))
+                self._peers[address] = Peer(stub.Link, address, timeout=self.ANSWER_SECONDS)
+            return self._peers[address]
 
     def sending(self, address: str) -> threading.Lock:
         """Held while a batch goes to ``address`` and its answer comes back (the schedulers' link threads and the
@@ -259,9 +251,8 @@ class DetokenizerService(LinkService, detokenizer_pb2_grpc.DetokenizerServicer):
             return None
         batch = frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas])
         try:
-            link = self.channels.frontend(frontend)
-            link.send(batch)
-            reply = link.receive(frontend_pb2.DeliverResponse.FromString, self.channels.ANSWER_SECONDS)
+            reply = self.channels.frontend(frontend).call(batch, frontend_pb2.DeliverResponse.FromString,
+                                                          self.channels.ANSWER_SECONDS)
         except Exception as exc:  # noqa: BLE001 - down, restarting, stalled, or it refused the batch
             self.channels.failed(frontend)
             if not quiet:

@@ -22,7 +22,7 @@ from conveyor.params import to_pb
 from conveyor.state import RequestStore
 from conveyor.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
-from conveyor.link import Link, LinkError
+from conveyor.link import LinkError, Peer
 from conveyor.wire import FINISH_TO_PB, logprobs_to_pb
 from conveyor.prefix import root_key
 from scheduler_svc.block_manager import BlockManager
@@ -121,19 +121,16 @@ class StepChannel:
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str, step_timeout: float = 0.0):
         self.stub = stub
-        self.address = address
+        self.worker = Peer(stub.Link, address)
         self.step_timeout = step_timeout or None
-        self.link: Link | None = None
 
     def send(self, plan: StepPlan) -> None:
         step = plan_to_pb(plan)  # a request's data that does not fit the wire fails before anything is sent
-        if self.link is None:
-            self.link = Link.dial(self.stub.Link, self.address)
-        self.link.send(step)
+        self.worker.open().send(step)
 
     def receive(self, plan: StepPlan) -> Answer:
         try:
-            reply = self.link.receive(worker_pb2.StepResponse.FromString, self.step_timeout)
+            reply = self.worker.link.receive(worker_pb2.StepResponse.FromString, self.step_timeout)
         except TimeoutError:
             raise TimeoutError(f"the worker did not answer step {plan.step} within {self.step_timeout:g} s "
                                "(--step-timeout)") from None
@@ -146,9 +143,7 @@ class StepChannel:
         return sampled_from_pb(plan, reply)
 
     def reset(self) -> None:
-        if self.link is not None:
-            self.link.close()
-            self.link = None
+        self.worker.drop()
 
     def capacity(self) -> tuple[int, int, int]:
         info = self.stub.Info(worker_pb2.InfoRequest(), timeout=2)
@@ -164,10 +159,8 @@ class Publisher:
     not read some of its requests from Redis). The step loop never waits for the detokenizer."""
 
     def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub, address: str, timeout: float = 30.0):
-        self.stub = stub
-        self.address = address
+        self.detokenizer = Peer(stub.Link, address)
         self.timeout = timeout
-        self.link: Link | None = None
         self.queue: queue.Queue[detokenizer_pb2.TokenBatch] = queue.Queue()
         threading.Thread(target=self._run, name="publisher", daemon=True).start()
 
@@ -186,21 +179,15 @@ class Publisher:
     def _push(self, batch: detokenizer_pb2.TokenBatch) -> str | None:
         """None once the detokenizer took ``batch``, else why not (the link is then opened anew)."""
         try:
-            if self.link is None:
-                self.link = Link.dial(self.stub.Link, self.address)
-            self.link.send(batch)
-            reply = self.link.receive(detokenizer_pb2.PushResponse.FromString, self.timeout)
-            if reply.step == batch.step:
-                return "it could not read some requests from Redis" if reply.retry else None
-            why = f"it answered step {reply.step}"
+            reply = self.detokenizer.call(batch, detokenizer_pb2.PushResponse.FromString, self.timeout)
         except grpc.RpcError as exc:  # its Link call: the detokenizer is down
-            why = exc.code().name
+            return exc.code().name
         except Exception as exc:  # noqa: BLE001 - the link broke, timed out or was refused
-            why = str(exc) or type(exc).__name__
-        if self.link is not None:
-            self.link.close()
-            self.link = None
-        return why
+            return str(exc) or type(exc).__name__
+        if reply.step != batch.step:
+            self.detokenizer.drop()
+            return f"it answered step {reply.step}"
+        return "it could not read some requests from Redis" if reply.retry else None
 
 
 # ---------------------------------------------------------------- the service
