@@ -74,7 +74,8 @@ class UpConfig:
     worker_port: int = setting(50053, "worker port (0: any free port)")
     scheduler_port: int = setting(50052, "scheduler port (0: any free port)")
     detokenizer_port: int = setting(50054, "detokenizer port (0: any free port)")
-    deliver_port: int = setting(50055, "frontend's internal port: health, and the Link call naming where deltas are delivered (0: any free port)")
+    deliver_port: int = setting(50055, "frontend's internal port: health, and the Link call naming where deltas "
+                                       "are delivered (0: any free port)")
     frontend_metrics_port: int = setting(9101, "frontend /metrics port (0: any free port)")
     scheduler_metrics_port: int = setting(9102, "scheduler /metrics port (0: any free port)")
     worker_metrics_port: int = setting(9103, "worker /metrics port (0: any free port)")
