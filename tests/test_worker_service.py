@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,17 +23,21 @@ KV_BYTES = 64 << 20
 
 
 @pytest.fixture(scope="module")
-def worker():
+def worker_process():
     port = free_port()
     proc = spawn("serve", "worker", "--port", str(port), "--kv-cache-bytes", "64M", "--block-size", "16",
                  "--numerics", "exact")  # compared with the in-process runner, token for token
-    address = f"127.0.0.1:{port}"
     try:
-        wait_serving(address, "conveyor.v1.Worker", proc)
-        with grpc.insecure_channel(address) as channel:
-            yield channel
+        wait_serving(f"127.0.0.1:{port}", "conveyor.v1.Worker", proc)
+        yield proc, f"127.0.0.1:{port}"
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="module")
+def worker(worker_process):
+    with grpc.insecure_channel(worker_process[1]) as channel:
+        yield channel
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +254,42 @@ def test_step_stream_runs_queued_steps_in_order(stub, default_model):
         link.receive(pb.StepResponse.FromString, timeout=60)
     link.close()
     step(stub, pb.StepRequest(free_seq_ids=["st"]))
+
+
+def _sleeps(pid: int) -> int:
+    """Times the threads of process ``pid`` went to sleep of their own accord (voluntary context switches)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended
+            continue
+        total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: the model runs on one thread, with no barriers")
+def test_model_threads_spin_through_a_steps_barriers(stub, worker_process, default_model):
+    """Every OpenMP region of the worker runs on the thread that built the model: with a second team (the model built
+    on the main thread, stepped on another) GNU OpenMP sees more threads than cores and puts each thread to sleep at
+    every barrier, ~100 times a step. Steps queued back to back then run without a single sleep per step."""
+    prompt = default_model.tokenizer.encode("The tallest mountain on Earth is")
+    link = open_link(stub)
+    greedy = SamplingOptions(temperature=0.0)
+    link.send(pb.StepRequest(step_id=1, chunks=[_pb_chunk(s, prompt, 0, [44 + 2 * i, 45 + 2 * i], greedy, len(prompt))
+                                                for i, s in enumerate(("sa", "sb"))]))
+    link.receive(pb.StepResponse.FromString, timeout=60)
+    steps = 20
+    before = _sleeps(worker_process[0].pid)
+    for i in range(steps):  # two sequences: two tokens a step, so every thread computes (one token runs on fewer)
+        chunks = [pb.SequenceChunk(seq_id=s, start_pos=len(prompt) + i, sample=True, decode_last=True) for s in ("sa", "sb")]
+        link.send(pb.StepRequest(step_id=2 + i, chunks=chunks))
+    for _ in range(steps):
+        link.receive(pb.StepResponse.FromString, timeout=60)
+    sleeps = _sleeps(worker_process[0].pid) - before
+    link.close()
+    step(stub, pb.StepRequest(free_seq_ids=["sa", "sb"]))
+    assert sleeps < 5 * steps, f"{sleeps} sleeps in {steps} steps"
 
 
 def test_the_gpu_kv_budget_follows_vllms_memory_utilization():

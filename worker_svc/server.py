@@ -9,6 +9,8 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
+from typing import Callable, TypeVar
 
 import torch
 
@@ -30,6 +32,7 @@ from worker_svc.runner import InvalidStep, ModelRunner, SeqChunk, StepInput, Ste
 log = logging.getLogger("conveyor.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 VERIFY_DRAFTS = 8  # speculation's cost model is measured up to this many drafts (the scheduler extrapolates)
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- protobuf <-> dataclasses
@@ -84,14 +87,41 @@ def results_to_pb(step_id: int, results: list[StepResult], seconds: float) -> wo
 # ---------------------------------------------------------------- the service
 
 
+class ModelThread(threading.Thread):
+    """The one thread that touches the model: it builds the runner, then serves the steps. GNU OpenMP keeps a
+    thread team per thread that opens a parallel region and counts every team's threads; once they outnumber the
+    cores, threads stop spinning at a barrier and sleep in the kernel instead. A model built on the main thread
+    and stepped on another had two teams on 2 cores: ~100 sleeps and wake-ups per decode step, and a served step
+    at 8 streams took twice the bare one."""
+
+    def __init__(self):
+        super().__init__(name="model", daemon=True)
+        self.calls: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue()
+        self.start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self.calls.put((fn, future))
+        return future
+
+    def run(self) -> None:
+        while True:
+            fn, future = self.calls.get()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it from the future
+                future.set_exception(exc)
+
+
 class WorkerService(LinkService, worker_pb2_grpc.WorkerServicer):
     """``Info`` over gRPC, and the steps of the scheduler's step link (``conveyor.link``) on one thread of their
     own: it reads a step, runs it and answers, then reads the next, which the scheduler sent while this one ran,
     so a busy worker never sleeps between steps and a step costs no hand-off between threads. Every step runs on
-    this one thread: steps mutate the cache and sequence state, and an OpenMP runtime keeps a thread team per
-    calling thread. A new link replaces the one before it (a scheduler that restarted; the old one is closed)."""
+    this one thread, the ``ModelThread`` that built the runner: steps mutate the cache and sequence state, and an
+    OpenMP runtime keeps a thread team per calling thread. A new link replaces the one before it (a scheduler that
+    restarted; the old one is closed)."""
 
-    def __init__(self, runner: ModelRunner, info: worker_pb2.InfoResponse, metrics: Metrics):
+    def __init__(self, runner: ModelRunner, info: worker_pb2.InfoResponse, metrics: Metrics, model: ModelThread):
         self.runner = runner
         self.info = info
         self.limits = Limits.wire(info.max_model_len, info.vocab_size)
@@ -99,7 +129,7 @@ class WorkerService(LinkService, worker_pb2_grpc.WorkerServicer):
         self.links: queue.Queue[Link] = queue.Queue()
         self.current: Link | None = None
         self.lock = threading.Lock()
-        threading.Thread(target=self._serve_links, name="step", daemon=True).start()
+        model.submit(self._serve_links)
 
     def Info(self, request, context):
         return self.info
@@ -242,12 +272,14 @@ def profile_step(loaded: LoadedModel, block_size: int, tokens: int, device: torc
 
 
 def serve(cfg: WorkerConfig) -> None:
-    runner, _loaded, info = build_runner(cfg)  # a bad --model fails before any port is taken
+    model = ModelThread()
+    # a bad --model fails before any port is taken
+    runner, _loaded, info = model.submit(lambda: build_runner(cfg)).result()
     metrics = Metrics("worker")
     metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host)
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
-    service = WorkerService(runner, info, metrics)
+    service = WorkerService(runner, info, metrics, model)
     links = LinkServer(cfg.host, cfg.link_port, service.add_link, "step")
     service.link_port = links.port
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
