@@ -21,6 +21,9 @@ NUM_BLOCKS = 40
 # first two blocks (8 tokens) with B, whose second step starts there as a prefix-cache hit would.
 FIRST = {"A": 10, "C": 7, "E": 5}
 SECOND = {"A": (10, 1), "E": (5, 1), "B": (8, 5), "C": (7, 6), "D": (0, 9)}  # decodes first, then the chunks
+# Prompt lengths: C's second chunk ends its prompt at 10 and goes on with 3 tokens it generated (recomputed after a
+# preemption), so a chunk holds both kinds of token (the native kernels take them by different paths).
+PROMPT = {"A": 10, "B": 13, "C": 10, "D": 9, "E": 5}
 
 
 def _tables() -> dict[str, list[int]]:
@@ -39,7 +42,8 @@ def _tokens(vocab: int) -> dict[str, list[int]]:
 
 
 def _batch(step: dict[str, tuple[int, int]], tables, tokens) -> StepBatch:
-    return StepBatch.of([(tokens[s][start : start + n], start, tables[s]) for s, (start, n) in step.items()], BLOCK)
+    return StepBatch.of([(tokens[s][start : start + n], start, tables[s], PROMPT[s]) for s, (start, n) in step.items()],
+                        BLOCK)
 
 
 @pytest.fixture(scope="module")

@@ -130,8 +130,9 @@ def _reference_attention(q, k_cache, v_cache, tables, token_seq, token_pos):
     return out
 
 
-def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_blocks=64, seed=0):
-    """RoPE, the cache write and attention for the tokens given, against PyTorch."""
+def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_blocks=64, seed=0, prompt=None):
+    """RoPE, the cache write and attention for the tokens given (``prompt``: which are prompt tokens), against
+    PyTorch."""
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
     v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
@@ -158,7 +159,9 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
     k_ref.view(-1, hkv, d)[slots] = rope(k, hkv)
     v_ref.view(-1, hkv, d)[slots] = v.view(T, hkv, d)
     expected = _reference_attention(rope(q, heads), k_ref, v_ref, tables, token_seq, token_pos)
-    out = cpu_kernels.attention(qkv.clone(), heads, cos, sin, k_cache, v_cache, slots, tables, token_seq, token_pos)
+    flags = None if prompt is None else torch.tensor(prompt, dtype=torch.uint8)
+    out = cpu_kernels.attention(qkv.clone(), heads, cos, sin, k_cache, v_cache, slots, tables, token_seq, token_pos,
+                                flags)
     torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
     torch.testing.assert_close(out, expected.view(T, heads * d), atol=1e-5, rtol=1e-5)
@@ -166,8 +169,25 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
 
 @pytest.mark.parametrize("d", [64, 128, 40])
 def test_attention_reads_the_paged_cache_like_a_gather(d):
-    # a decode at position 41, a prefill chunk at positions 9..13 (attending to earlier context), a fresh token
+    # a decode at position 41, a prefill chunk at positions 9..13 (attending to earlier context), a fresh token;
+    # as decodes, then as prompt tokens
     _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d)
+    _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d, prompt=[0, 1, 1, 1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("d, heads, hkv, block_size", [(64, 9, 3, 16), (128, 4, 1, 4), (40, 8, 2, 8), (64, 16, 1, 16),
+                                                     (64, 2, 2, 16)])
+def test_prompt_chunks_match_a_gather_however_their_tokens_group(d, heads, hkv, block_size):
+    """A prompt's tokens go in runs of consecutive tokens that share their keys (16 query rows at a time where the
+    kernels have AVX512): a long chunk mid-context, a chunk from position 0 whose last key tile is partial, a
+    decode between them, a run of two and a lone prompt token; 1, 3 and 4 heads per KV head, and 16 (runs of one
+    token). The last chunk's prompt ends mid-chunk: its last tokens were generated (recomputed) and take the row
+    path."""
+    seqs = [0] * 45 + [1] + [2] * 23 + [1, 1] + [1]
+    positions = list(range(70, 115)) + [60] + list(range(23)) + [61, 62] + [90]
+    prompt = [1] * 45 + [0] + [1] * 20 + [0] * 3 + [1, 1] + [1]
+    _check_attention(d, heads, hkv, seqs, positions, block_size=block_size, num_blocks=3 * (128 // block_size),
+                     prompt=prompt)
 
 
 @pytest.mark.parametrize("hkv", [1, 3])

@@ -44,8 +44,8 @@ def slot(table: list[int], position: int, block_size: int) -> int:
 @dataclass
 class StepBatch:
     """One step's flat batch on the host: sequence ``i`` computes ``lengths[i]`` tokens from position
-    ``starts[i]``, its KV in the blocks of ``tables[i]``; the first ``num_decodes`` sequences decode (one
-    token each)."""
+    ``starts[i]``, its KV in the blocks of ``tables[i]``, its prompt the positions before ``prompt_ends[i]``;
+    the first ``num_decodes`` sequences decode (one token each)."""
 
     token_ids: list[int]
     positions: list[int]
@@ -54,20 +54,21 @@ class StepBatch:
     lengths: list[int]
     tables: list[list[int]]
     num_decodes: int
+    prompt_ends: list[int]
 
     @classmethod
-    def of(cls, chunks: list[tuple[list[int], int, list[int]]], block_size: int) -> StepBatch:
-        """From (token ids, start position, block table) per sequence, decodes first. Python ints only: at a
-        few hundred sequences a step, tensors built per sequence cost more than a small model's forward."""
+    def of(cls, chunks: list[tuple[list[int], int, list[int], int]], block_size: int) -> StepBatch:
+        """From (token ids, start position, block table, prompt length) per sequence, decodes first. Python ints
+        only: at a few hundred sequences a step, tensors built per sequence cost more than a small model's forward."""
         ids, pos, slots = [], [], []
-        for tokens, start, table in chunks:
+        for tokens, start, table, _ in chunks:
             span = range(start, start + len(tokens))
             ids += tokens
             pos += span
             slots += [slot(table, p, block_size) for p in span]
-        lengths = [len(t) for t, _, _ in chunks]
-        return cls(ids, pos, slots, [s for _, s, _ in chunks], lengths, [t for _, _, t in chunks],
-                   sum(1 for n in lengths if n == 1))
+        lengths = [len(c[0]) for c in chunks]
+        return cls(ids, pos, slots, [c[1] for c in chunks], lengths, [c[2] for c in chunks],
+                   sum(1 for n in lengths if n == 1), [c[3] for c in chunks])
 
     def last_rows(self) -> list[int]:
         """Each sequence's last token's row in the flat batch."""
@@ -117,6 +118,7 @@ class NativeStep:
     block_tables: torch.Tensor  # (B, max_blocks) int32
     token_seq: torch.Tensor  # (T,) int32: each token's row of block_tables
     token_pos: torch.Tensor  # (T,) int32
+    token_prompt: torch.Tensor  # (T,) uint8: 1 for a token of its sequence's prompt
 
 
 class Native(Backend):
@@ -135,13 +137,17 @@ class Native(Backend):
     def prepare(self, batch: StepBatch) -> NativeStep:
         width = max(len(t) for t in batch.tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.tables], dtype=torch.int32)
-        seq = torch.repeat_interleave(torch.arange(len(batch.lengths), dtype=torch.int32), torch.tensor(batch.lengths))
-        return NativeStep(torch.tensor(batch.token_ids), torch.tensor(batch.slots), tables, seq,
-                          torch.tensor(batch.positions, dtype=torch.int32))
+        lengths = torch.tensor(batch.lengths)
+        seq = torch.repeat_interleave(torch.arange(len(batch.lengths), dtype=torch.int32), lengths)
+        pos = torch.tensor(batch.positions, dtype=torch.int32)
+        prompt = pos < torch.repeat_interleave(torch.tensor(batch.prompt_ends, dtype=torch.int32), lengths)
+        return NativeStep(torch.tensor(batch.token_ids), torch.tensor(batch.slots), tables, seq, pos,
+                          prompt.to(torch.uint8))
 
     def forward(self, step: NativeStep) -> torch.Tensor:
         x = self.model.embed_tokens(step.input_ids).contiguous()
-        return self.stack.forward(x, step.slot_mapping, step.block_tables, step.token_seq, step.token_pos)
+        return self.stack.forward(x, step.slot_mapping, step.block_tables, step.token_seq, step.token_pos,
+                                  step.token_prompt)
 
     def _build_stack(self) -> cpu_kernels.DecoderStack:
         model, cfg, keep = self.model, self.model.cfg, []

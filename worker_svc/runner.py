@@ -401,5 +401,5 @@ class ModelRunner:
         return result
 
     def _batch(self, order: list[SeqChunk], staged: dict[str, SeqState]) -> StepBatch:
-        return StepBatch.of([(c.token_ids, c.start_pos, staged[c.seq_id].block_table) for c in order],
-                            self.cache.block_size)
+        return StepBatch.of([(c.token_ids, c.start_pos, staged[c.seq_id].block_table,
+                              staged[c.seq_id].num_prompt_tokens) for c in order], self.cache.block_size)

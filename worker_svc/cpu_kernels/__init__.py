@@ -168,14 +168,14 @@ def _library(wanted: str = "auto") -> tuple[ctypes.CDLL | None, str, str]:
     lib.decoder_scratch.argtypes = [ctypes.POINTER(Dims), i64]
     lib.decoder_scratch.restype = i64
     lib.decoder_forward.argtypes = [ctypes.POINTER(Layer), i64, ctypes.POINTER(Dims), ptr, i64, ptr, ptr, i64, ptr,
-                                    ptr, ptr, ptr]
+                                    ptr, ptr, ptr, ptr]
     lib.decoder_forward.restype = ctypes.c_int
     lib.qdequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qdequant_rows.restype = ctypes.c_int
     lib.qrepack.argtypes = [ctypes.c_int, ptr, i64, i64]
     lib.qrepack.restype = ctypes.c_int
     f32 = ctypes.c_float
-    lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr]
+    lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr]
     lib.paged_attention.restype = ctypes.c_int
     lib.rope_store.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.rope_store.restype = None
@@ -318,13 +318,15 @@ def attention(
     block_tables: torch.Tensor,
     token_seq: torch.Tensor,
     token_pos: torch.Tensor,
+    token_prompt: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Everything between the qkv and output projections, for a flat batch of T new tokens.
 
     qkv: (T, (H + 2 Hkv) * D) fp32, modified in place (RoPE on q and k); cos, sin: (P, D) tables;
     caches: (num_blocks, block_size, Hkv, D), k and v of each token written at ``slot_mapping``;
-    block_tables: (B, max_blocks) int32; token_seq, token_pos: (T,) int32. Each token attends to
-    its sequence's keys at positions 0..token_pos. Returns (T, H * D).
+    block_tables: (B, max_blocks) int32; token_seq, token_pos: (T,) int32; token_prompt: (T,) uint8, 1 for a
+    token of its sequence's prompt (None: none is; see attention.c). Each token attends to its sequence's keys at
+    positions 0..token_pos. Returns (T, H * D).
     """
     lib = _lib()
     _blocks, block_size, hkv, d = k_cache.shape
@@ -335,7 +337,8 @@ def attention(
     out = torch.empty(t, num_heads * d, dtype=torch.float32)
     code = lib.paged_attention(
         qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], token_seq.data_ptr(), token_pos.data_ptr(), t, num_heads, hkv, d, block_size,
+        block_tables.shape[1], token_seq.data_ptr(), token_pos.data_ptr(),
+        None if token_prompt is None else token_prompt.data_ptr(), t, num_heads, hkv, d, block_size,
         d**-0.5, out.data_ptr(),
     )
     if code != 0:
@@ -372,7 +375,7 @@ class DecoderStack:
         self._keep = keep  # the tensors whose memory the structures point into
         self.scratch = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, slot_mapping, block_tables, token_seq, token_pos) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, slot_mapping, block_tables, token_seq, token_pos, token_prompt) -> torch.Tensor:
         """x: (T, hidden) embedded tokens (overwritten: the residual stream). Returns the final norm (T, hidden)."""
         lib = _lib()
         t = x.shape[0]
@@ -382,7 +385,8 @@ class DecoderStack:
         out = torch.empty_like(x)
         code = lib.decoder_forward(self.layers, len(self.layers), ctypes.byref(self.dims), x.data_ptr(), t,
                                    slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                                   token_seq.data_ptr(), token_pos.data_ptr(), self.scratch.data_ptr(), out.data_ptr())
+                                   token_seq.data_ptr(), token_pos.data_ptr(), token_prompt.data_ptr(),
+                                   self.scratch.data_ptr(), out.data_ptr())
         if code != 0:
             raise ValueError("decoder_forward: a kernel rejected the shapes")
         return out

@@ -11,6 +11,8 @@
 // When there are fewer items than threads can share evenly (one stream decoding: 1 token x 3 KV
 // heads on 2 threads left one idle a third of the time) and the context is long, each item's keys
 // are split into ranges computed apart, then merged by their maxima and sums (as flash-decoding does).
+// With AVX512, a prompt's tokens go in runs of consecutive tokens of one sequence, items of their own: up to
+// 16 query rows against 16 keys at a time (flash_run).
 
 #include <immintrin.h>
 #include <math.h>
@@ -99,12 +101,106 @@ static inline void attend_any_d(const float *qt, const float *kc, const float *v
     else attend(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum);
 }
 
+#if defined(__AVX512F__)
+// A prompt's tokens: a run of consecutive tokens of one sequence shares its keys, so a run's query rows (n tokens
+// x the G heads of one KV head, at most 16) sit in the 16 lanes of one vector and meet the keys 16 at a time, as
+// flash attention does: s_j = sum_d q[., d] k_j[d] for 16 keys j at once (each key's k_j[d] broadcast), a running
+// max and sum per row (lane), then o[d] += sum_j p_j v_j[d]; o (D x 16) stays in a buffer of this thread, the
+// scores in registers. Each lane is its own query: its bits do not depend on the other rows of its run, nor on
+// how long the run is (tiles start at key 0; a tile past a row's position scales it by exactly 1 and adds 0).
+// A 512-token prompt's prefill runs 1.2-1.35x faster than with the row path on a Zen 5.
+enum { LANES = 16, KEYS = 16 };
+
+// exp(x) of 16 lanes: exp256 (simd.h) on each half.
+static inline __m512 exp512(__m512 x) {
+    const __m256 lo = exp256(_mm512_castps512_ps256(x));
+    const __m256 hi = exp256(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+// Tokens t0 .. t0 + n - 1 (positions p0 .. p0 + n - 1 of one sequence, n * G <= 16), KV head kvh. ``work``:
+// (2 KEYS + 2 LANES) * D floats of this thread's scratch: the tile's keys and values, q^T and o.
+static inline __attribute__((always_inline)) void flash_run(const float *q, int64_t q_stride, const float *k_cache,
+                                                             const float *v_cache, const int32_t *table, int64_t t0,
+                                                             int64_t n, int64_t p0, int64_t kvh, int64_t G, int64_t H,
+                                                             int64_t D, int64_t block_size, int64_t row, float scale,
+                                                             float *work, float *out) {
+    float *kt = work, *vt = kt + KEYS * D, *qt = vt + KEYS * D, *o = qt + LANES * D;
+    const int64_t rows = n * G, ctx = p0 + n;
+    int32_t pos_of[LANES];
+    for (int64_t r = 0; r < LANES; r++) {  // lanes past the run repeat its first row (computed, never stored)
+        const int64_t rr = r < rows ? r : 0, i = rr / G, g = rr % G;
+        pos_of[r] = (int32_t)(p0 + i);
+        const float *qr = q + (t0 + i) * q_stride + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; d++) qt[d * LANES + r] = qr[d] * scale;
+    }
+    const __m512i pos = _mm512_loadu_si512(pos_of);
+    memset(o, 0, D * LANES * sizeof(float));
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < ctx; j0 += KEYS) {
+        for (int j = 0; j < KEYS; j++) {  // the tile's keys and values side by side; past the context, key 0's
+            const int64_t key = j0 + j < ctx ? j0 + j : 0;
+            const int64_t at = ((int64_t)table[key / block_size] * block_size + key % block_size) * row + kvh * D;
+            for (int64_t d = 0; d < D; d += 8) {  // D is a multiple of 8
+                _mm256_storeu_ps(kt + j * D + d, _mm256_loadu_ps(k_cache + at + d));
+                _mm256_storeu_ps(vt + j * D + d, _mm256_loadu_ps(v_cache + at + d));
+            }
+        }
+        __m512 s[KEYS];
+        for (int j = 0; j < KEYS; j++) s[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const __m512 qd = _mm512_loadu_ps(qt + d * LANES);
+            for (int j = 0; j < KEYS; j++) s[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kt[j * D + d]), s[j]);
+        }
+        __m512 top = m;
+        __mmask16 masked[KEYS];
+        for (int j = 0; j < KEYS; j++) {  // causal: a row sees the keys up to its own position
+            masked[j] = _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32((int32_t)(j0 + j)), _MM_CMPINT_LT);
+            s[j] = _mm512_mask_mov_ps(s[j], masked[j], _mm512_set1_ps(-INFINITY));
+            top = _mm512_max_ps(top, s[j]);
+        }
+        const __m512 alpha = exp512(_mm512_sub_ps(m, top));  // the old sums' weight under the new max
+        m = top;
+        l = _mm512_mul_ps(l, alpha);
+        for (int j = 0; j < KEYS; j++) {
+            s[j] = _mm512_maskz_mov_ps((__mmask16)~masked[j], exp512(_mm512_sub_ps(s[j], top)));
+            l = _mm512_add_ps(l, s[j]);
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            __m512 acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + k) * LANES), alpha);
+            for (int j = 0; j < KEYS; j++)
+                for (int k = 0; k < 8; k++) acc[k] = _mm512_fmadd_ps(s[j], _mm512_set1_ps(vt[j * D + d0 + k]), acc[k]);
+            for (int k = 0; k < 8; k++) _mm512_storeu_ps(o + (d0 + k) * LANES, acc[k]);
+        }
+    }
+    float inv[LANES];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + ((t0 + r / G) * H + kvh * G + r % G) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = o[d * LANES + r] * inv[r];
+    }
+}
+
+static void flash_run_any_d(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                            const int32_t *table, int64_t t0, int64_t n, int64_t p0, int64_t kvh, int64_t G,
+                            int64_t H, int64_t D, int64_t block_size, int64_t row, float scale, float *work,
+                            float *out) {
+#define FLASH(DD) flash_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, scale, work, out)
+    if (D == 64) FLASH(64);
+    else if (D == 128) FLASH(128);
+    else FLASH(D);
+#undef FLASH
+}
+#endif
+
 // q: (T, H, D) with rows q_stride floats apart; out: (T, H, D) contiguous; k_cache, v_cache:
-// (num_blocks, block_size, Hkv, D); block_tables: (B, max_blocks) int32; q_seq, q_pos: (T,) int32.
-// D must be a multiple of 8, at most 256. Returns 0, or -1 on bad shapes (or no memory).
+// (num_blocks, block_size, Hkv, D); block_tables: (B, max_blocks) int32; q_seq, q_pos: (T,) int32;
+// q_prompt: (T,) uint8, 1 for a token of its sequence's prompt (or NULL: none is). D must be a multiple of 8,
+// at most 256. Returns 0, or -1 on bad shapes (or no memory).
 int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
-                    int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out) {
+                    const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out) {
     if (D % 8 != 0 || D > MAX_D || Hkv <= 0 || H % Hkv != 0) return -1;
     const int64_t G = H / Hkv, items = T * Hkv;
     int64_t max_ctx = 0;
@@ -119,14 +215,56 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
     if (splits > 1 && part == NULL) return -1;
     float *part_mx = part ? part + items * splits * G * D : NULL, *part_sum = part ? part_mx + items * splits * G : NULL;
     const int64_t span = (max_ctx + splits - 1) / splits;  // keys per range (of the longest context)
+    // prompt tokens take the flash path where it is built, in runs of consecutive tokens of one sequence (a row's
+    // result does not depend on its run); decodes and drafts being verified take the row path, so a token decoded
+    // alone and the same token verified after a draft give the same bits
+    int64_t *run_start = NULL;
+    int flash = 0;
+#if defined(__AVX512F__)
+    int64_t *run_len = NULL, runs = 0;
+    flash = q_prompt != NULL && G <= LANES;
+    if (flash) {
+        run_start = malloc(2 * T * sizeof(int64_t));
+        if (run_start == NULL) {
+            free(part);
+            return -1;
+        }
+        run_len = run_start + T;
+        const int64_t per_run = LANES / G;
+        for (int64_t t = 0; t < T;) {
+            if (!q_prompt[t]) {
+                t++;
+                continue;
+            }
+            int64_t n = 1;
+            while (n < per_run && t + n < T && q_prompt[t + n] && q_seq[t + n] == q_seq[t] && q_pos[t + n] == q_pos[t] + n)
+                n++;
+            run_start[runs] = t, run_len[runs++] = n;
+            t += n;
+        }
+    }
+#endif
 #pragma omp parallel
     {
         float *scores = aligned_alloc(32, ((G * (splits > 1 ? span : max_ctx) + 7) / 8 * 8) * sizeof(float));
         float mx[MAX_D], sum[MAX_D];  // G <= H; heads per KV head beyond MAX_D are not a real model
+#if defined(__AVX512F__)
+        if (runs) {
+            float *work = aligned_alloc(64, 2 * (KEYS + LANES) * D * sizeof(float));
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t item = 0; item < runs * Hkv; item++) {
+                const int64_t t0 = run_start[item / Hkv], kvh = item % Hkv;
+                flash_run_any_d(q, q_stride, k_cache, v_cache, block_tables + (int64_t)q_seq[t0] * max_blocks, t0,
+                                run_len[item / Hkv], q_pos[t0], kvh, G, H, D, block_size, row, scale, work, out);
+            }
+            free(work);
+        }
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t work = 0; work < items * splits; work++) {
             const int64_t item = work / splits, range = work % splits;
             const int64_t t = item / Hkv, kvh = item % Hkv, ctx = q_pos[t] + 1;
+            if (flash && q_prompt[t]) continue;
             const int32_t *table = block_tables + (int64_t)q_seq[t] * max_blocks;
             const float *qt = q + t * q_stride + kvh * G * D;
             const float *kc = k_cache + kvh * D, *vc = v_cache + kvh * D;
@@ -155,6 +293,7 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < T * H; head++) {  // merge an item's ranges, head by head
                 const int64_t t = head / H, h = head % H, item = t * Hkv + h / G, g = h % G;
+                if (flash && q_prompt[t]) continue;
                 float top = -INFINITY, total = 0.0f;
                 for (int64_t r = 0; r < splits; r++) {
                     const float m = part_mx[(item * splits + r) * G + g];
@@ -175,7 +314,7 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
             }
         }
     }
-    free(part);
+    free(part), free(run_start);
     return 0;
 }
 

@@ -18,7 +18,7 @@ int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
 int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads);
 int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
-                    int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out);
+                    const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out);
 void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const int32_t *pos, const float *cos,
                 const float *sin, const int64_t *slots, float *k_cache, float *v_cache);
 void add_rms_norm(float *x, const float *add, const float *w, int64_t rows, int64_t n, float eps, float *out);
@@ -73,7 +73,7 @@ int64_t decoder_scratch(const Dims *d, int64_t T) {
 // a shape a kernel rejects.
 int decoder_forward(const Layer *layers, int64_t num_layers, const Dims *d, float *x, int64_t T,
                     const int64_t *slots, const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq,
-                    const int32_t *q_pos, float *scratch, float *out) {
+                    const int32_t *q_pos, const uint8_t *q_prompt, float *scratch, float *out) {
     const int64_t hd = d->heads * d->head_dim, qkv_width = (d->heads + 2 * d->kv_heads) * d->head_dim;
     float *h = scratch;                           // (T, hidden) a layer's output
     float *normed = h + T * d->hidden;            // (T, hidden)
@@ -87,8 +87,8 @@ int decoder_forward(const Layer *layers, int64_t num_layers, const Dims *d, floa
         add_rms_norm(x, i == 0 ? NULL : h, l->input_norm, T, d->hidden, d->eps, normed);
         if (linear(&l->qkv, normed, T, qkv, work)) return -1;
         rope_store(qkv, T, d->heads, d->kv_heads, d->head_dim, q_pos, d->cos, d->sin, slots, l->k_cache, l->v_cache);
-        if (paged_attention(qkv, qkv_width, l->k_cache, l->v_cache, block_tables, max_blocks, q_seq, q_pos, T,
-                            d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn))
+        if (paged_attention(qkv, qkv_width, l->k_cache, l->v_cache, block_tables, max_blocks, q_seq, q_pos, q_prompt,
+                            T, d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn))
             return -1;
         if (linear(&l->o, attn, T, h, work)) return -1;
         add_rms_norm(x, h, l->post_norm, T, d->hidden, d->eps, normed);
