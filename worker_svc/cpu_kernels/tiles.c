@@ -276,32 +276,54 @@ static void group_f32_any(int mr, const float *buf, int64_t K, const float *x, f
 
 // ---------------------------------------------------------------- bf16 weights
 
-// mr rows of x as bf16 passes (per row ``passes * K`` values) against one strip: two running sums per row (even
-// and odd pairs of inputs, added at the end), so a dot's latency does not bound a lone row.
-static inline __attribute__((always_inline)) void strip_bf16(int mr, int passes, const uint8_t *w, int64_t K,
-                                                               const uint16_t *xb, float *out) {
-    vf acc[MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = vf_zero();
-    for (int64_t k = 0; k < K; k += 2) {
-        const vi wv = vi_load(w + (k / 2) * TILE * 4);
-        const int parity = (int)(k / 2) & 1;
-        for (int i = 0; i < mr; i++) {
-            const uint16_t *x = xb + i * passes * K + k;
-            acc[i][parity] = dot_bf16(acc[i][parity], wv, vi_bcast32(x));
-            if (passes == 2) acc[i][parity] = dot_bf16(acc[i][parity], wv, vi_bcast32(x + K));
+// mr rows of x as bf16 passes (per row ``passes * K`` values) against ns strips (1, or 2 with AVX512: each
+// broadcast of x then meets 32 rows of W): two running sums per row and strip (even and odd pairs of inputs, added
+// at the end), so a dot's latency does not bound a lone row. out as strip_q's; the same bits whatever mr and ns.
+static inline __attribute__((always_inline)) void strip_bf16(int mr, int passes, int ns, const uint8_t *const *ws,
+                                                               int64_t K, const uint16_t *xb, float *out) {
+    vf acc[2][MR][2];
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < mr; i++) acc[s][i][0] = acc[s][i][1] = vf_zero();
+    for (int64_t k = 0; k < K; k += 4)  // K is a multiple of 32: pairs k (even sums) and k + 2 (odd)
+        for (int parity = 0; parity < 2; parity++) {
+            const int64_t kk = k + 2 * parity;
+            vi wv[2];
+            for (int s = 0; s < ns; s++) wv[s] = vi_load(ws[s] + (kk / 2) * TILE * 4);
+            for (int i = 0; i < mr; i++) {
+                const uint16_t *x = xb + i * passes * K + kk;
+                const vi x0 = vi_bcast32(x);
+                for (int s = 0; s < ns; s++) acc[s][i][parity] = dot_bf16(acc[s][i][parity], wv[s], x0);
+                if (passes == 2) {
+                    const vi x1 = vi_bcast32(x + K);
+                    for (int s = 0; s < ns; s++) acc[s][i][parity] = dot_bf16(acc[s][i][parity], wv[s], x1);
+                }
+            }
         }
-    }
-    for (int i = 0; i < mr; i++) vf_store(out + i * W, vf_add(acc[i][0], acc[i][1]));
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < mr; i++) vf_store(out + (s * MR + i) * W, vf_add(acc[s][i][0], acc[s][i][1]));
 }
 
-static void strip_bf16_any(int mr, int passes, const uint8_t *w, int64_t K, const uint16_t *xb, float *out) {
+// Rows per call with two strips (AVX512): 4 running sums a row, 16 in registers (6 rows ran no faster).
+enum { BF16_ROWS_FOR_TWO = 4 };
+
+static void strip_bf16_any(int mr, int passes, int ns, const uint8_t *const *ws, int64_t K, const uint16_t *xb,
+                           float *out) {
 #define ROWS(P)                                                                                                 \
-    switch (mr) {                                                                                               \
-        case 1: strip_bf16(1, P, w, K, xb, out); break;                                                         \
-        case 2: strip_bf16(2, P, w, K, xb, out); break;                                                         \
-        case 3: strip_bf16(3, P, w, K, xb, out); break;                                                         \
-        case 4: strip_bf16(4, P, w, K, xb, out); break;                                                         \
-        default: strip_bf16(MR, P, w, K, xb, out); break;                                                       \
+    if (ns == 2 && ISA_VNNI) {                                                                                  \
+        switch (mr) {                                                                                           \
+            case 1: strip_bf16(1, P, 2, ws, K, xb, out); break;                                                 \
+            case 2: strip_bf16(2, P, 2, ws, K, xb, out); break;                                                 \
+            case 3: strip_bf16(3, P, 2, ws, K, xb, out); break;                                                 \
+            default: strip_bf16(BF16_ROWS_FOR_TWO, P, 2, ws, K, xb, out); break;                                \
+        }                                                                                                       \
+    } else {                                                                                                    \
+        switch (mr) {                                                                                           \
+            case 1: strip_bf16(1, P, 1, ws, K, xb, out); break;                                                 \
+            case 2: strip_bf16(2, P, 1, ws, K, xb, out); break;                                                 \
+            case 3: strip_bf16(3, P, 1, ws, K, xb, out); break;                                                 \
+            case 4: strip_bf16(4, P, 1, ws, K, xb, out); break;                                                 \
+            default: strip_bf16(MR, P, 1, ws, K, xb, out); break;                                               \
+        }                                                                                                       \
     }
     if (passes == 1) { ROWS(1) } else { ROWS(2) }
 #undef ROWS
@@ -392,8 +414,9 @@ int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
         free(owned);
         return 0;
     }
-    // quantized: two strips an item with VNNI (more rows of W per broadcast of x), else one; bf16: one
-    const int64_t strips = groups * STRIPS, ns = !dense && ISA_VNNI ? 2 : 1, mrows = ns == 2 ? rows_for_two(passes) : MR;
+    // two strips an item with AVX512 (more rows of W per broadcast of x), else one
+    const int64_t strips = groups * STRIPS, ns = ISA_VNNI ? 2 : 1;
+    const int64_t mrows = ns == 1 ? MR : dense ? BF16_ROWS_FOR_TWO : rows_for_two(passes);
 #pragma omp parallel for schedule(guided)
     for (int64_t item = 0; item < (strips + ns - 1) / ns; item++) {
         const uint8_t *qs[2], *ds[2], *ms[2];
@@ -413,7 +436,7 @@ int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
         float out[2 * MR * W] __attribute__((aligned(64)));
         for (int64_t m0 = 0; m0 < M; m0 += mrows) {
             const int mr = (int)(M - m0 < mrows ? M - m0 : mrows);
-            if (dense) strip_bf16_any(mr, passes, qs[0], K, (const uint16_t *)xq + m0 * passes * K, out);
+            if (dense) strip_bf16_any(mr, passes, count, qs, K, (const uint16_t *)xq + m0 * passes * K, out);
             else strip_q_any(type, mr, passes, count, qs, ds, ms, nb, xq + m0 * passes * K, K, xd + m0 * nb,
                              xsum + m0 * nb, out);
             for (int s = 0; s < count; s++) {
