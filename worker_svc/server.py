@@ -92,7 +92,7 @@ class ModelThread(threading.Thread):
     thread team per thread that opens a parallel region and counts every team's threads; once they outnumber the
     cores, threads stop spinning at a barrier and sleep in the kernel instead. A model built on the main thread
     and stepped on another had two teams on 2 cores: ~100 sleeps and wake-ups per decode step, and a served step
-    at 8 streams took twice the bare one."""
+    at 8 streams took 24 ms (18 ms with one team)."""
 
     def __init__(self):
         super().__init__(name="model", daemon=True)
