@@ -176,12 +176,12 @@ def test_attention_reads_the_paged_cache_like_a_gather(d):
 
 
 @pytest.mark.parametrize("d, heads, hkv, block_size", [(64, 9, 3, 16), (128, 4, 1, 4), (40, 8, 2, 8), (64, 16, 1, 16),
-                                                     (64, 2, 2, 16)])
+                                                     (64, 2, 2, 16), (32, 6, 1, 8)])
 def test_prompt_chunks_match_a_gather_however_their_tokens_group(d, heads, hkv, block_size):
     """A prompt's tokens go in runs of consecutive tokens that share their keys (16 query rows at a time where the
     kernels have AVX512): a long chunk mid-context, a chunk from position 0 whose last key tile is partial, a
-    decode between them, a run of two and a lone prompt token; 1, 3 and 4 heads per KV head, and 16 (runs of one
-    token). The last chunk's prompt ends mid-chunk: its last tokens were generated (recomputed) and take the row
+    decode between them, a run of two and a lone prompt token; 1, 3, 4 and 6 heads per KV head, and 16 (runs of
+    one token; decodes weigh values 4 heads at a time, so 6 leaves a group of 2). The last chunk's prompt ends mid-chunk: its last tokens were generated (recomputed) and take the row
     path."""
     seqs = [0] * 45 + [1] + [2] * 23 + [1, 1] + [1]
     positions = list(range(70, 115)) + [60] + list(range(23)) + [61, 62] + [90]
