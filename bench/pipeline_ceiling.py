@@ -131,10 +131,9 @@ def report_profiles(running: list[tuple[subprocess.Popen, Path]], top: int = 8) 
 
 def level(backend, pids: dict[str, int], streams: int, requests: int, max_tokens: int) -> dict:
     prompt = " ".join(["hello"] * 16)
-    backend.cfg.max_tokens = max_tokens
 
     def one(_):
-        return sum(backend.stream(prompt))
+        return sum(backend.stream(prompt, max_tokens))
 
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     start = time.perf_counter()

@@ -30,8 +30,8 @@ SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minIte
 class ConstrainedBackend(ConveyorBackend):
     """The SDK's stream with the schema (no ignore_eos: the grammar cannot end within max_tokens)."""
 
-    def stream(self, prompt: str):
-        for delta in self.client.stream(prompt, max_tokens=self.cfg.max_tokens, temperature=0.0,
+    def stream(self, prompt: str, max_tokens: int):
+        for delta in self.client.stream(prompt, max_tokens=max_tokens, temperature=0.0,
                                         timeout=self.cfg.timeout, structured={"json_schema": SCHEMA}):
             yield len(delta.token_ids)
 

@@ -105,9 +105,9 @@ class ConveyorBackend:
     def tokenize(self, text: str) -> list[int]:
         return self.client.tokenize(text)
 
-    def stream(self, prompt: str) -> Iterator[int]:
+    def stream(self, prompt: str, max_tokens: int) -> Iterator[int]:
         """Streams one request; yields the number of output tokens in each piece that arrives."""
-        for delta in self.client.stream(prompt, max_tokens=self.cfg.max_tokens, ignore_eos=True, temperature=0.0,
+        for delta in self.client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
                                         timeout=self.cfg.timeout):
             yield len(delta.token_ids)
 
@@ -156,9 +156,9 @@ class OpenAIBackend:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def stream(self, prompt: str) -> Iterator[int]:
+    def stream(self, prompt: str, max_tokens: int) -> Iterator[int]:
         """Stream one completion; yields the count of output tokens each event brings."""
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 0.0,
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                            "stream": True, "ignore_eos": True, "cache_prompt": False,
                            "stream_options": {"include_usage": True}})
         conn = self._connection()
@@ -256,7 +256,7 @@ def one_request(backend, prompt: str, cfg: BenchConfig, level_start: float) -> R
     """Send one request through ``backend`` and time its tokens (an error is recorded, not raised)."""
     result = RequestResult(start=time.perf_counter() - level_start, prompt_tokens=cfg.prompt_tokens)
     try:
-        for count in backend.stream(prompt):
+        for count in backend.stream(prompt, cfg.max_tokens):  # the level's length, not the one the backend was made with
             now = time.perf_counter() - level_start
             if count and result.ttft is None:
                 result.ttft = now - result.start

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import replace
 
 import httpx
 import openai
@@ -189,6 +190,10 @@ def test_conveyor_bench_drives_the_http_api_with_the_served_model_and_exact_coun
     assert backend.model == model  # from /v1/models: this server checks the model it is asked for
     [(_, results, _)] = sweep(backend, cfg)
     assert [(r.error, r.output_tokens) for r in results] == [(None, 5)] * 3
+    # a sweep's own output length, not the one the backend was made with (bench/side_by_side.py sweeps each
+    # workload with one backend per server)
+    [(_, longer, _)] = sweep(backend, replace(cfg, max_tokens=7))
+    assert [(r.error, r.output_tokens) for r in longer] == [(None, 7)] * 3
 
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
