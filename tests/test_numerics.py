@@ -193,3 +193,17 @@ def test_quantize_at_load_takes_the_integer_path_at_the_accuracy_the_readme_give
           f"q8_0 {q8_agree:.4f}, q4_0 {q4_agree:.4f}")
     assert 0.95 <= q8_agree < 1.0  # README: 97 % (q8_0), 70 % (q4_0), over 2,048 positions
     assert 0.55 <= q4_agree < q8_agree
+
+
+def test_a_lone_decode_takes_every_thread_for_dense_weights_and_one_fewer_for_quantized(bf16_folder, default_model):
+    """--small-step-threads -1: a bf16 folder as stored reads 2 bytes a weight a token, and one thread draws less
+    memory bandwidth than two; quantized weights (the GGUF, or the folder --quantize'd) leave a core to the
+    pipeline's other processes. 0 and n are taken as given."""
+    from worker_svc.server import small_step_threads
+
+    dense = load_model(bf16_folder, numerics="fast")
+    quantized = load_model(bf16_folder, quantize="q8_0", numerics="fast")
+    assert small_step_threads(-1, 2, dense.model) == 2
+    assert small_step_threads(-1, 2, default_model.model) == small_step_threads(-1, 2, quantized.model) == 1
+    assert small_step_threads(-1, 1, default_model.model) == 1  # never none
+    assert small_step_threads(0, 2, default_model.model) == 2 and small_step_threads(3, 2, dense.model) == 3

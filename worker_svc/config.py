@@ -61,7 +61,8 @@ class WorkerConfig:
     small_step_threads: int = setting(
         -1, "CPU threads for a step of a single token (one stream decoding): -1 leaves one core to the scheduler, "
         "detokenizer and frontend, which work between every two tokens and would otherwise preempt a model thread "
-        "mid-step while the others wait for it; 0: as many as --threads")
+        "mid-step while the others wait for it, when the weights are quantized (dense ones, a bf16 folder as "
+        "stored, read 2 bytes a weight a token and take every thread); 0: as many as --threads")
     spec_min_ngram: int = setting(3, "speculation: the shortest run of last tokens a draft is looked up by (what "
                                      "followed it earlier in the sequence is the draft)")
     spec_max_ngram: int = setting(5, "speculation: the longest run of last tokens a draft is looked up by (the "

@@ -26,6 +26,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import GpuMemory, KVCache, bytes_per_block, kv_budget_bytes
 from worker_svc.loader import LoadedModel, load_model
+from worker_svc.packed import PackedLinear
 from worker_svc.runner import InvalidStep, ModelRunner, SeqChunk, StepInput, StepResult
 
 
@@ -191,6 +192,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def small_step_threads(setting: int, threads: int, model) -> int:
+    """The threads of a step of one token (``--small-step-threads``): -1 leaves a core to the other processes when
+    the model's linear weights are quantized (a lone decode reads ~0.6 bytes a weight, which one core streams
+    about as fast as two) and takes every thread for dense ones (a bf16 folder as stored reads 2 bytes a weight,
+    and one thread draws less memory bandwidth than two); 0 every thread; n that many."""
+    if setting > 0:
+        return setting
+    linear = model.layers[0].mlp.down_proj
+    quantized = isinstance(linear, PackedLinear) and linear.qtype in cpu_kernels.QUANTIZED
+    return max(1, threads - 1) if setting < 0 and quantized else threads
+
+
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb2.InfoResponse]:
     """Load the model, size and allocate the KV cache, and describe it all for ``Info``."""
     device = resolve_device(cfg.device)
@@ -213,8 +226,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
         raise ValueError(f"--kv-cache-bytes is smaller than one block ({block_bytes} bytes)")
     cache = KVCache.allocate(loaded.config, cfg.block_size, num_blocks, device, dtype)
     threads = cfg.threads or torch.get_num_threads()  # PyTorch's default: the cores this process may use
-    small = threads if cfg.small_step_threads == 0 else max(1, threads - 1) if cfg.small_step_threads < 0 else \
-        cfg.small_step_threads
+    small = small_step_threads(cfg.small_step_threads, threads, loaded.model)
     graphs = CudaGraph.factory() if device.type == "cuda" and cfg.cuda_graphs else None
     runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=cfg.seed, fail_on_token=cfg.fail_on_token,
                          threads=(threads, min(small, threads)), attention=cfg.attention, graphs=graphs,
