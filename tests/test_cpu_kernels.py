@@ -181,8 +181,8 @@ def test_prompt_chunks_match_a_gather_however_their_tokens_group(d, heads, hkv, 
     """A prompt's tokens go in runs of consecutive tokens that share their keys (16 query rows at a time where the
     kernels have AVX512): a long chunk mid-context, a chunk from position 0 whose last key tile is partial, a
     decode between them, a run of two and a lone prompt token; 1, 3, 4 and 6 heads per KV head, and 16 (runs of
-    one token; decodes weigh values 4 heads at a time, so 6 leaves a group of 2). The last chunk's prompt ends mid-chunk: its last tokens were generated (recomputed) and take the row
-    path."""
+    one token; decodes weigh values 4 heads at a time, so 6 leaves a group of 2). The last chunk's prompt ends
+    mid-chunk: its last tokens were generated (recomputed) and take the row path."""
     seqs = [0] * 45 + [1] + [2] * 23 + [1, 1] + [1]
     positions = list(range(70, 115)) + [60] + list(range(23)) + [61, 62] + [90]
     prompt = [1] * 45 + [0] + [1] * 20 + [0] * 3 + [1, 1] + [1]

@@ -58,6 +58,11 @@ static float exp_shifted(float *s, int64_t n, float *sum) {
 
 enum { MAX_D = 256, MIN_SPLIT_KEYS = 256 };
 
+// The cache slot of a sequence's key at position ``key``, through its block table.
+static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_size) {
+    return (int64_t)table[key / block_size] * block_size + key % block_size;
+}
+
 // One (token, kv head) item over keys [j0, j1): G query heads against those keys of one sequence.
 // out_g = sum_j exp(s_gj - mx_g) v_j, not yet divided by sum_g (the caller merges or normalizes).
 static inline __attribute__((always_inline)) void attend(const float *qt, const float *k_cache,
@@ -104,10 +109,11 @@ enum { HEADS_AT_ONCE = 4, AHEAD = 32 };  // AHEAD: keys between a row's prefetch
 
 // Rows [j0, j1) of a cache (D floats of one head each) fetched toward L1 ahead of their use: the blocks of a
 // sequence lie anywhere, so the hardware's stride prefetchers do not see them coming (1.3-1.6x at 8-32 streams).
-static inline __attribute__((always_inline)) void prefetch_rows(const float *cache, const int32_t *table, int64_t j0, int64_t j1, int64_t block_size,
-                                 int64_t row, int64_t D) {
+static inline __attribute__((always_inline)) void prefetch_rows(const float *cache, const int32_t *table, int64_t j0,
+                                                                 int64_t j1, int64_t block_size, int64_t row,
+                                                                 int64_t D) {
     for (int64_t key = j0; key < j1; key++) {
-        const char *at = (const char *)(cache + ((int64_t)table[key / block_size] * block_size + key % block_size) * row);
+        const char *at = (const char *)(cache + slot_of(table, key, block_size) * row);
         for (int64_t b = 0; b < D * (int64_t)sizeof(float); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
     }
 }
@@ -165,7 +171,7 @@ static inline __attribute__((always_inline)) void attend16(const float *qt, cons
         const float *kr[16];
         for (int64_t i = 0; i < 16; i++) {  // past the range: the range's first key (computed, never stored)
             const int64_t key = i < count ? j + i : j0;
-            kr[i] = k_cache + ((int64_t)table[key / block_size] * block_size + key % block_size) * row;
+            kr[i] = k_cache + slot_of(table, key, block_size) * row;
         }
         prefetch_rows(k_cache, table, j + AHEAD < j1 ? j + AHEAD : j1, j + AHEAD + 16 < j1 ? j + AHEAD + 16 : j1,
                       block_size, row, D);
@@ -248,7 +254,7 @@ static inline __attribute__((always_inline)) void flash_run(const float *q, int6
     for (int64_t j0 = 0; j0 < ctx; j0 += KEYS) {
         for (int j = 0; j < KEYS; j++) {  // the tile's keys and values side by side; past the context, key 0's
             const int64_t key = j0 + j < ctx ? j0 + j : 0;
-            const int64_t at = ((int64_t)table[key / block_size] * block_size + key % block_size) * row + kvh * D;
+            const int64_t at = slot_of(table, key, block_size) * row + kvh * D;
             for (int64_t d = 0; d < D; d += 8) {  // D is a multiple of 8
                 _mm256_storeu_ps(kt + j * D + d, _mm256_loadu_ps(k_cache + at + d));
                 _mm256_storeu_ps(vt + j * D + d, _mm256_loadu_ps(v_cache + at + d));
