@@ -140,12 +140,36 @@ def add_up_arguments(parser) -> None:
 
 
 _HANDED_OUT: set[int] = set()
+_LOWEST_PORT = 10000
+
+
+def ephemeral_ports() -> range:
+    """The kernel's range of source ports for outgoing connections (Linux's ip_local_port_range)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
 
 
 def free_port() -> int:
     """A port nothing listens on now, and not one this process handed out before: the ports of a stack are
-    picked before its services bind them, so the kernel may offer one of them again meanwhile."""
-    while True:
+    picked before its services bind them. It lies below the ephemeral range where there is room, since a
+    port from that range (what binding port 0 gives) may meanwhile become the source port of one of the
+    stack's own outgoing connections, and its service then fails to bind ("address already in use")."""
+    below = range(_LOWEST_PORT, ephemeral_ports().start)
+    for _ in range(1000 if len(below) > 1000 else 0):
+        port = secrets.choice(below)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    while True:  # no room below the ephemeral range: any port the kernel offers
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -155,3 +155,19 @@ def test_every_service_setting_reaches_its_children_through_conveyor_up():
             assert getattr(parsed, setting_name) == value, (service, setting_name)
         assert not any("redis://" in a or "pw" in a for a in argv)
 
+
+
+def test_the_ports_a_stack_picks_lie_outside_the_range_its_own_connections_take():
+    """A stack's ports are picked before its services bind them; one from the ephemeral range could meanwhile
+    become the source port of an outgoing connection (a frontend then failed with 'address already in use'
+    while two engines started). They come from below that range, bindable, and never twice."""
+    import socket
+
+    from conveyor.launcher import ephemeral_ports
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(10000 <= p < ephemeral_ports().start for p in ports)
+    for port in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free as promised
