@@ -12,9 +12,10 @@ the stop strings. Stored as JSON in the request's Redis hash.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from conveyor.errors import InvalidArgument
 
@@ -287,7 +288,7 @@ class RequestParams:
         return cls(**{g: params_from(GROUPS[g], raw) for g, raw in groups.items()}, **top)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return json.dumps(plain(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> RequestParams:
@@ -301,9 +302,18 @@ class RequestParams:
         return cls(**{g: params_from(kind, raw.get(g, {})) for g, kind in GROUPS.items()}, **top)
 
 
-def field_names(kind) -> set[str]:
-    """The field names of a dataclass."""
-    return {f.name for f in fields(kind)}
+@functools.cache
+def field_names(kind) -> tuple[str, ...]:
+    """The field names of a dataclass, in order (kept: each request's record asks for them several times)."""
+    return tuple(f.name for f in fields(kind))
+
+
+def plain(value):
+    """A dataclass as a dict of its fields, nested ones too (``dataclasses.asdict`` without its deep copy of every
+    value, which cost more than the rest of recording a request); other values as they are."""
+    if hasattr(type(value), "__dataclass_fields__"):
+        return {name: plain(getattr(value, name)) for name in field_names(type(value))}
+    return value
 
 
 _ALL_NAMES = set().union(*(field_names(k) for k in GROUPS.values()), field_names(RequestParams))
@@ -353,7 +363,7 @@ def from_pb(kind, message):
 
 def to_pb(values, message):
     """Fill ``message`` from a dataclass (or a dict of field values) by name; None leaves a field unset."""
-    items = asdict(values).items() if not isinstance(values, dict) else values.items()
+    items = (values if isinstance(values, dict) else plain(values)).items()
     by_name = message.DESCRIPTOR.fields_by_name
     for name, value in items:
         desc = by_name.get(name)

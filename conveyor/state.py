@@ -200,9 +200,9 @@ class RequestStore:
     @op
     def create(self, record: RequestRecord) -> Steps[bool]:
         """Record a new request; False (and nothing written) when its owner already uses its client id."""
-        fields = [item for pair in record.to_hash().items() for item in pair]
+        fields = json.dumps(record.to_hash(), ensure_ascii=False, separators=(",", ":"))
         keys = [self.alias_key(record.owner, record.client_id), self.key(record.request_id), self.inflight_key]
-        (created,) = yield [("EVAL", _CREATE, len(keys), *keys, record.request_id, repr(record.arrival), *fields)]
+        (created,) = yield [("EVAL", _CREATE, len(keys), *keys, record.request_id, repr(record.arrival), fields)]
         return bool(created)
 
     @op
@@ -312,20 +312,25 @@ class AsyncRequestStore(RequestStore):
         raise TypeError("a step's writes are the scheduler's, on its own (synchronous) store")
 
 
-# KEYS: alias, hash, inflight; ARGV: request key, arrival, then the hash's fields and values.
+# KEYS: alias, hash, inflight; ARGV: request key, arrival, the hash as one JSON object (one argument, as a step's
+# commands are: redis-py encodes each argument in Python).
 _CREATE = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+local fields = {}
+for name, value in pairs(cjson.decode(ARGV[3])) do fields[#fields + 1] = name; fields[#fields + 1] = value end
+redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 return 1
 """
 _SET_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) + 1 end return 0"
 # KEYS: request hashes; returns each one's engine ("" when none, or no record)
 _HOLDERS = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'engine') or '' end return out"
-# A step's fenced write in one round trip. KEYS: the records the step writes; ARGV: the owner, then each command as
-# its argument count and its arguments. Returns {indices of the records another engine holds, results}: nothing is
-# run when the first is not empty. A script runs alone, so no other client's write can fall between the check and
-# the commands (what WATCH ensured in the three-round-trip form). A command Redis refuses is its result, as an error.
+# A step's fenced write in one round trip. KEYS: the records the step writes; ARGV: the owner, then the commands as
+# one JSON array of argument arrays (one string, so a step of a few hundred requests is encoded by one json.dumps, not
+# argument by argument: that was most of the scheduler's CPU per token). Returns {indices of the records another
+# engine holds, results}: nothing is run when the first is not empty. A script runs alone, so no other client's
+# write can fall between the check and the commands (what WATCH ensured in the three-round-trip form). A command
+# Redis refuses is its result, as an error.
 _FENCED_STEP = """
 local taken = {}
 for i, key in ipairs(KEYS) do
@@ -333,12 +338,10 @@ for i, key in ipairs(KEYS) do
   if ok and holder and holder ~= '' and holder ~= ARGV[1] then taken[#taken + 1] = i end
 end
 if #taken > 0 then return {taken, {}} end
-local results, at = {}, 2
-while at <= #ARGV do
-  local n = tonumber(ARGV[at])
-  local ok, res = pcall(redis.call, unpack(ARGV, at + 1, at + n))
-  if ok or type(res) == 'table' then results[#results + 1] = res else results[#results + 1] = {err = tostring(res)} end
-  at = at + n + 1
+local results = {}
+for i, args in ipairs(cjson.decode(ARGV[2])) do
+  local ok, res = pcall(redis.call, unpack(args))
+  if ok or type(res) == 'table' then results[i] = res else results[i] = {err = tostring(res)} end
 end
 return {taken, results}
 """
@@ -402,16 +405,15 @@ class StepWriter:
         these include the first, and ``prompt_logprobs`` with it when the request asked for them."""
         key, out = self.store.key(request_id), self.store.out_key(request_id)
         before = num_output - len(token_ids)  # a retried append must not add twice: cut back to before it
-        self.commands.append(("LTRIM", out, 0, before - 1) if before else ("DEL", out))
-        self.commands.append(("RPUSH", out, *token_ids))
-        self._expect(request_id, num_output, exact=True)
-        fields = {"num_output": num_output, "status": "running"}
+        hset = ["HSET", key, "num_output", num_output, "status", "running"]
         if first_token is not None:
-            fields["first_token"] = repr(first_token)
+            hset += ("first_token", repr(first_token))
         if prompt_logprobs is not None:
-            fields["prompt_logprobs"] = json.dumps(prompt_logprobs, separators=(",", ":"))
-        self._hset(key, fields)
-        self._expect(request_id, len(fields) - 2, exact=False)  # only the new fields may be created
+            hset += ("prompt_logprobs", json.dumps(prompt_logprobs, separators=(",", ":")))
+        at = len(self.commands)
+        self.commands += (("LTRIM", out, 0, before - 1) if before else ("DEL", out), ("RPUSH", out, *token_ids), hset)
+        # the append's length is exactly known; only the new fields may be created
+        self._checks += ((at + 1, request_id, num_output, True), (at + 2, request_id, (len(hset) - 6) // 2, False))
         self._queued(request_id)
 
     def finished(self, request_id: str, alias: str, reason: str, num_output: int, now: float, trim: bool = False,
@@ -435,12 +437,9 @@ class StepWriter:
     def _fenced(self, owner: str) -> list:
         ids = list(dict.fromkeys(self._op_request))
         keys = [self.store.key(rid) for rid in ids]
-        if all(len(args) <= _SCRIPT_MAX_ARGS for args in self.commands):
-            argv = [owner]
-            for args in self.commands:
-                argv.append(len(args))
-                argv += args
-            taken, results = self.store.fenced_step(keys=keys, args=argv)
+        if max(map(len, self.commands)) <= _SCRIPT_MAX_ARGS:
+            commands = json.dumps(self.commands, ensure_ascii=False, separators=(",", ":"))
+            taken, results = self.store.fenced_step(keys=keys, args=[owner, commands])
             if taken:
                 raise Fenced({ids[i - 1] for i in taken})
             return results

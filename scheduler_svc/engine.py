@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from conveyor.engines import Lease
-from conveyor.errors import InvalidArgument, NotFound, Unavailable
+from conveyor.errors import ConveyorError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from conveyor.metrics import Metrics
-from conveyor.state import RequestStore
+from conveyor.state import REDIS_DOWN, RequestStore
 from scheduler_svc.observe import Health, HeldRequest, Snapshot, StepMetrics
 from scheduler_svc.persist import Persister
 from scheduler_svc.policy import Answer, Output, Scheduler, StepPlan
@@ -102,12 +102,59 @@ class Engine:
     # ------------------------------------------------------------ called from gRPC threads
 
     def submit(self, request_id: str) -> int:
-        """Queue a request recorded in Redis; returns the queue length. Idempotent."""
-        record = self.store.get(request_id)
+        """``submit_many`` of one request: the queue length, or its refusal raised."""
+        waiting, refused = self.submit_many([request_id])
+        if refused:
+            raise refused[request_id]
+        return waiting
+
+    def submit_many(self, request_ids: list[str]) -> tuple[int, dict[str, ConveyorError]]:
+        """Queue requests recorded in Redis (read in one round trip, queued under one hold of the lock); returns
+        the queue length and the ids refused, each with its error (the others are queued). Idempotent. Redis out
+        of reach raises for all."""
+        refused: dict[str, ConveyorError] = {}
+        requests = []
+        for request_id, record in self._records(request_ids).items():
+            try:
+                request = self._admissible(request_id, record)
+            except ConveyorError as exc:
+                refused[request_id] = exc
+                continue
+            if request is not None:
+                requests.append(request)
+        with self.cond:
+            for request in requests:
+                try:
+                    self.scheduler.add(request)
+                except ResourceExhausted as exc:
+                    refused[request.request_id] = exc
+            self.cond.notify()
+            return len(self.scheduler.waiting), refused
+
+    def _records(self, request_ids: list[str]) -> dict:
+        """Their records, in one round trip; when one cannot be read, each alone (an unreadable one is None)."""
+        try:
+            return self.store.get_many(request_ids)
+        except REDIS_DOWN:
+            raise
+        except Exception:  # noqa: BLE001 - one record's data broke the read: the others must not fail with it
+            records = {}
+            for request_id in request_ids:
+                try:
+                    records[request_id] = self.store.get(request_id)
+                except REDIS_DOWN:
+                    raise
+                except Exception:  # noqa: BLE001
+                    log.exception("the record of %s cannot be read", request_id)
+                    records[request_id] = None
+            return records
+
+    def _admissible(self, request_id: str, record) -> Request | None:
+        """The request to queue from its record (None: it is finished already); raises why it cannot be."""
         if record is None:
-            raise NotFound(f"request {request_id!r} is not recorded in Redis")
+            raise NotFound(f"request {request_id!r} is not recorded in Redis (or its record cannot be read)")
         if record.status == "finished":
-            return len(self.scheduler.waiting)
+            return None
         if not self._mine(record):  # it moved (this engine's lease lapsed, or the frontend chose again)
             raise Unavailable(f"request {request_id!r} is held by engine {record.engine!r}, not {self.name!r}")
         request = Request.from_record(record, self.eos_token_ids)
@@ -115,10 +162,7 @@ class Engine:
             self.check_request(request)
         except Exception as exc:  # noqa: BLE001 - whatever its data raised: this request is refused, alone
             raise InvalidArgument(f"request {request_id!r} cannot be computed: {type(exc).__name__}: {exc}") from exc
-        with self.cond:
-            self.scheduler.add(request)
-            self.cond.notify()
-            return len(self.scheduler.waiting)
+        return request
 
     def abort(self, request_id: str) -> bool:
         with self.cond:

@@ -210,7 +210,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return self._engine
 
     def Submit(self, request, context):
-        return scheduler_pb2.SubmitResponse(waiting=self.engine.submit(request.request_id))
+        waiting, refused = self.engine.submit_many(list(dict.fromkeys(request.request_ids)))
+        return scheduler_pb2.SubmitResponse(waiting=waiting, refused=[
+            scheduler_pb2.SubmitRefusal(request_id=rid, code=exc.code, details=str(exc)) for rid, exc in refused.items()])
 
     def Abort(self, request, context):
         return scheduler_pb2.SchedulerAbortResponse(aborted=self.engine.abort(request.request_id))

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from helpers import conveyor_command, drained, extra_frontend, free_port, hf_logits, scheduler_stats, start_stack, stop
 
 from conveyor.client import Client
-from conveyor.errors import InvalidArgument
+from conveyor.errors import InvalidArgument, NotFound
 from conveyor.params import RequestParams
 from conveyor.state import RequestRecord, RequestStore
 from conveyor.tokenizer import load_tokenizer
@@ -66,6 +66,23 @@ class WireOnly:
 
     def capacity(self):
         return 64, 16, 1024
+
+
+def test_a_submit_of_several_requests_refuses_each_bad_one_alone_and_queues_the_others(redis_server):
+    """A frontend submits the requests that arrived together in one call: one whose data cannot go on the wire
+    and one Redis has no record of are refused, each with its own error, and the good one is queued (once, though
+    its id came twice)."""
+    store = RequestStore.from_url(redis_server, prefix=f"truth-{uuid.uuid4().hex[:8]}")
+    for record in (RequestRecord("good", [1, 2, 3], RequestParams.of(max_tokens=3, ignore_eos=True)),
+                   RequestRecord("bad", [1, 2, 3], RequestParams.of(seed=-1, max_tokens=3))):
+        assert store.create(record)
+    engine = Engine(Scheduler(BlockManager(64, 16), 1024, 512, 8, 16), store, WireOnly(), lambda *a: None, (2,))
+    engine.check_request = registration_pb
+    waiting, refused = engine.submit_many(["good", "bad", "missing", "good"])
+    assert waiting == 1 and [r.request_id for r in engine.scheduler.waiting] == ["good"]
+    assert set(refused) == {"bad", "missing"}
+    assert isinstance(refused["bad"], InvalidArgument) and "cannot be computed" in str(refused["bad"])
+    assert isinstance(refused["missing"], NotFound)
 
 
 def test_a_request_whose_data_cannot_go_on_the_wire_ends_alone_and_health_stays_up(redis_server):

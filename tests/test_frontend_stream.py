@@ -99,3 +99,39 @@ def test_a_live_delta_dropped_while_a_replay_is_in_flight_is_replayed_next():
     assert "".join(d.text for d in got) == "Hello world"
     assert [t for d in got for t in d.token_ids] == [10, 11, 12]
     assert got[-1].finish_reason == "stop"
+
+
+def test_submits_that_arrive_while_one_is_in_flight_go_together_and_each_gets_its_own_answer():
+    """The frontend's submits to a scheduler (``Batched``): the first goes at once, alone; the three that arrive
+    while it is in flight go in one call; a refusal reaches only its own caller; a call that fails fails each of
+    its items."""
+    import asyncio
+
+    from conveyor.errors import InvalidArgument, Unavailable
+    from tokenizer_svc.server import Batched
+
+    async def run():
+        calls, release = [], asyncio.Event()
+
+        async def send(ids):
+            calls.append(list(ids))
+            await release.wait()
+            if "down" in ids:
+                raise Unavailable("the scheduler is restarting")
+            return [InvalidArgument("bad data") if i == "bad" else None for i in ids]
+
+        batched = Batched(send)
+        first = asyncio.ensure_future(batched("a"))
+        await asyncio.sleep(0)  # its call is in flight
+        rest = [asyncio.ensure_future(batched(i)) for i in ("b", "bad", "c")]
+        await asyncio.sleep(0)
+        release.set()
+        answers = await asyncio.gather(first, *rest, return_exceptions=True)
+        failed = await asyncio.gather(batched("down"), batched("x"), return_exceptions=True)
+        return calls, answers, failed
+
+    calls, answers, failed = asyncio.run(run())
+    assert calls[:2] == [["a"], ["b", "bad", "c"]]
+    assert answers[0] is None and answers[1] is None and answers[3] is None
+    assert isinstance(answers[2], InvalidArgument)
+    assert all(isinstance(f, Unavailable) for f in failed) and ["down", "x"] in calls

@@ -27,7 +27,7 @@ SET = RequestParams(  # floats a float32 proto field holds exactly
 def test_every_field_of_each_group_has_its_proto_field_of_the_same_name():
     messages = {"sampling": conveyor_pb2.SamplingOptions, "stop": conveyor_pb2.StopConditions}
     for group, kind in GROUPS.items():
-        assert field_names(kind) == set(messages[group].DESCRIPTOR.fields_by_name), group
+        assert set(field_names(kind)) == set(messages[group].DESCRIPTOR.fields_by_name), group
 
 
 def test_the_groups_go_through_the_public_and_the_worker_messages_unchanged():

@@ -57,6 +57,8 @@ class ClientDelta:
 
 
 STALL_SECONDS = 1.0
+INLINE_PROMPT_CHARS = 512  # a plain prompt this short is tokenized on the event loop (at most ~0.1 ms), longer ones on a thread
+POLL_SECONDS = 0.25  # how often every stream waiting for deltas is woken to look at Redis (``keep_up``) and its deadline
 
 
 class ClientStream:
@@ -99,6 +101,10 @@ class ClientStream:
             out.prompt_tokens, out.completion_tokens = d.prompt_tokens, d.completion_tokens
         self._queue.append(out)
         self.wake()
+
+    @property
+    def queued(self) -> bool:
+        return bool(self._queue)
 
     def due(self, now: float) -> bool:
         """Whether ``Frontend.keep_up`` has work now (a replay, or a look at Redis), without I/O."""
@@ -145,6 +151,7 @@ class Frontend:
         self.defaults = SamplingDefaults()  # for sampling fields a request leaves unset (the model's own)
         self.streams: dict[str, ClientStream] = {}
         self._tasks: set[asyncio.Task] = set()  # work that outlives its caller: aborts retried, openings finished
+        self._ticker: asyncio.Task | None = None
 
     def render(self, inp: GenerateInput) -> tuple[str, list[int]]:
         """The prompt text (chat rendered with the model's template) and its token ids."""
@@ -159,7 +166,11 @@ class Frontend:
         return inp.prompt, self.tokenizer.encode(inp.prompt, add_special_tokens=inp.add_special_tokens)
 
     async def tokenize(self, inp: GenerateInput) -> tuple[str, list[int]]:
-        """``render`` on a thread: a long prompt's tokenizing must not hold up every other stream's tokens."""
+        """``render`` on a thread: a long prompt's tokenizing must not hold up every other stream's tokens. A short
+        plain prompt is tokenized here: the hop to a thread and back costs more (~145 against ~30 us of CPU for 135
+        characters on a 2-core Zen 4)."""
+        if inp.messages is None and inp.prompt is not None and len(inp.prompt) <= INLINE_PROMPT_CHARS:
+            return self.render(inp)
         return await asyncio.to_thread(self.render, inp)
 
     async def open(self, inp: GenerateInput, owner: str = "", submit_timeout: float = 60.0) -> ClientStream:
@@ -201,6 +212,19 @@ class Frontend:
                     self.close(done.result().request_id, done.result())
             task.add_done_callback(close)
             raise
+
+    def tick(self) -> None:
+        """Make sure the ticker runs while streams are open: every ``POLL_SECONDS`` it wakes each one (one that
+        waits then looks at ``keep_up`` and at its deadline). One timer for every stream rather than a timeout
+        around each wait, which cost about a tenth of the frontend's CPU per token at 128 streams."""
+        if self._ticker is None or self._ticker.done():
+            self._ticker = self._background(self._ticks())
+
+    async def _ticks(self) -> None:
+        while self.streams:
+            await asyncio.sleep(POLL_SECONDS)
+            for stream in list(self.streams.values()):
+                stream.wake()
 
     def _background(self, work: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(work)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -95,6 +96,40 @@ def client_delta_to_pb(d: ClientDelta) -> conveyor_pb2.GenerateResponse:
 # ---------------------------------------------------------------- the scheduler, as the core sees it
 
 
+class Batched:
+    """Calls ``send(items)`` with every item given while its previous call was in flight: the first goes at once,
+    alone, and those that arrive meanwhile go together next (at most ``most``), so a busy frontend makes one call
+    per batch of arrivals and an idle one adds no wait. ``send`` returns one error or None per item; when it
+    raises, every item of that call gets its error."""
+
+    def __init__(self, send: Callable[[list], Awaitable[list]], most: int = 256):
+        self.send, self.most = send, most
+        self.pending: list[tuple[object, asyncio.Future]] = []
+        self.sending: asyncio.Task | None = None
+
+    async def __call__(self, item) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((item, future))
+        if self.sending is None or self.sending.done():
+            self.sending = asyncio.ensure_future(self._drain())
+        await future
+
+    async def _drain(self) -> None:
+        while self.pending:
+            batch, self.pending = self.pending[: self.most], self.pending[self.most :]
+            try:
+                errors = await self.send([item for item, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - the call failed: so did each of its items
+                errors = [exc] * len(batch)
+            for (_, future), error in zip(batch, errors):
+                if future.done():  # its caller went away
+                    continue
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+
 class EnginesClient:
     """The engines as the core sees them: routing, submit and abort as coroutines raising ``ConveyorError``s.
 
@@ -102,7 +137,8 @@ class EnginesClient:
     that finds its engine gone (not registered any more) moves the request to another live engine, unless
     one already took it over; the caller's retry then submits there."""
 
-    CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument}
+    # a scheduler's refusal the caller must not retry (any other: the scheduler is restarting, or the request moved)
+    FINAL = {"RESOURCE_EXHAUSTED": ResourceExhausted, "INVALID_ARGUMENT": InvalidArgument}
 
     def __init__(self, registry: Registry, metrics: Metrics):
         self.registry = registry
@@ -110,13 +146,22 @@ class EnginesClient:
         self.schedulers = Schedulers(registry, channel=grpc_util.internal_aio_channel)
         self.metrics = metrics
         self.model = ""  # the served model's name: part of the routing keys
+        self._submits: dict[str, Batched] = {}  # per engine
+
+    def _error(self, code: str, details: str) -> ConveyorError:
+        return self.FINAL.get(code, Unavailable)(f"scheduler: {details}")
 
     async def _call(self, method, request, timeout: float = 10.0):
         try:
             return await method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            kind = self.CODES.get(exc.code(), Unavailable)
-            raise kind(f"scheduler: {exc.details()}") from exc
+            raise self._error(exc.code().name, exc.details()) from exc
+
+    async def _submit_batch(self, engine: str, request_ids: list[str]) -> list[ConveyorError | None]:
+        stub = await self.schedulers.stub(engine)
+        reply = await self._call(stub.Submit, scheduler_pb2.SubmitRequest(request_ids=request_ids))
+        refused = {r.request_id: self._error(r.code, r.details) for r in reply.refused}
+        return [refused.get(rid) for rid in request_ids]
 
     async def route(self, prompt_ids: list[int], scope: str = "") -> str:
         """The engine for a new request. With none serving, a registered one (the submit waits for it)."""
@@ -131,9 +176,11 @@ class EnginesClient:
 
     async def submit(self, record: RequestRecord) -> None:
         """Hand a recorded request to its engine; once accepted, its prefixes route there."""
+        engine = record.engine
+        if engine not in self._submits:
+            self._submits[engine] = Batched(lambda ids: self._submit_batch(engine, ids))
         try:
-            stub = await self.schedulers.stub(record.engine)
-            await self._call(stub.Submit, scheduler_pb2.SubmitRequest(request_id=record.request_id))
+            await self._submits[engine](record.request_id)
         except Unavailable:
             await self._follow(record)
             raise

@@ -1,8 +1,9 @@
 """Following a client stream on the event loop, for every public API of the frontend (gRPC and HTTP).
 
 ``follow`` yields a request's deltas as the detokenizer delivers them, without a thread per stream:
-The deliver link (on the same loop) wakes the stream's coroutine, and a replay is offered by the coroutine itself
-once it is back, so a stream is only ever changed on the loop.
+The deliver link (on the same loop) wakes the stream's coroutine, the frontend's tick wakes it every ``POLL_SECONDS``
+to look at Redis and its deadline, and a replay is offered by the coroutine itself once it is back, so a stream is
+only ever changed on the loop.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from collections.abc import AsyncIterator
 from conveyor.errors import ConveyorError, DeadlineExceeded
 from conveyor.metrics import Metrics
 from tokenizer_svc.frontend import ClientDelta, ClientStream, Frontend
-
-POLL_SECONDS = 0.25  # how often a waiting stream checks that it is not behind Redis
 
 
 class RequestTimer:
@@ -75,10 +74,9 @@ async def follow(stream: ClientStream, frontend: Frontend, timer: RequestTimer, 
             ready.clear()
             delta = stream.take()
             if delta is None:
-                try:
-                    async with asyncio.timeout(POLL_SECONDS):
-                        await ready.wait()
-                except TimeoutError:
+                frontend.tick()
+                await ready.wait()  # a delta, or the frontend's tick
+                if not stream.queued:
                     await frontend.keep_up(stream)
                 continue
             if delta.finish_reason == "error":  # the request could not be computed: say why

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63onveyor/v1/scheduler.proto\x12\x0b\x63onveyor.v1\"\x16\n\x14SchedulerInfoRequest\"\xa1\x01\n\x15SchedulerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\"#\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x0eSubmitResponse\x12\x0f\n\x07waiting\x18\x01 \x01(\r\"+\n\x15SchedulerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"7\n\rFinishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x10\n\x0e\x46inishResponse\"\x0e\n\x0cStatsRequest\"\x83\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x05 \x01(\t\x12\r\n\x05owner\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\"\xb0\x02\n\rStatsResponse\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x0e\n\x06\x61\x62orts\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x04\x12+\n\x08requests\x18\t \x03(\x0b\x32\x19.conveyor.v1.RequestState\x12\x11\n\tworker_up\x18\n \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12\x15\n\rcached_blocks\x18\r \x01(\r2\xf2\x02\n\tScheduler\x12\x41\n\x06Submit\x12\x1a.conveyor.v1.SubmitRequest\x1a\x1b.conveyor.v1.SubmitResponse\x12P\n\x05\x41\x62ort\x12\".conveyor.v1.SchedulerAbortRequest\x1a#.conveyor.v1.SchedulerAbortResponse\x12\x41\n\x06\x46inish\x12\x1a.conveyor.v1.FinishRequest\x1a\x1b.conveyor.v1.FinishResponse\x12>\n\x05Stats\x12\x19.conveyor.v1.StatsRequest\x1a\x1a.conveyor.v1.StatsResponse\x12M\n\x04Info\x12!.conveyor.v1.SchedulerInfoRequest\x1a\".conveyor.v1.SchedulerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63onveyor/v1/scheduler.proto\x12\x0b\x63onveyor.v1\"\x16\n\x14SchedulerInfoRequest\"\xa1\x01\n\x15SchedulerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\"$\n\rSubmitRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"N\n\x0eSubmitResponse\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12+\n\x07refused\x18\x02 \x03(\x0b\x32\x1a.conveyor.v1.SubmitRefusal\"B\n\rSubmitRefusal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"+\n\x15SchedulerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"7\n\rFinishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x10\n\x0e\x46inishResponse\"\x0e\n\x0cStatsRequest\"\x83\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x05 \x01(\t\x12\r\n\x05owner\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\"\xb0\x02\n\rStatsResponse\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x0e\n\x06\x61\x62orts\x18\x07 \x01(\x04\x12\x10\n\x08\x66inished\x18\x08 \x01(\x04\x12+\n\x08requests\x18\t \x03(\x0b\x32\x19.conveyor.v1.RequestState\x12\x11\n\tworker_up\x18\n \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12\x15\n\rcached_blocks\x18\r \x01(\r2\xf2\x02\n\tScheduler\x12\x41\n\x06Submit\x12\x1a.conveyor.v1.SubmitRequest\x1a\x1b.conveyor.v1.SubmitResponse\x12P\n\x05\x41\x62ort\x12\".conveyor.v1.SchedulerAbortRequest\x1a#.conveyor.v1.SchedulerAbortResponse\x12\x41\n\x06\x46inish\x12\x1a.conveyor.v1.FinishRequest\x1a\x1b.conveyor.v1.FinishResponse\x12>\n\x05Stats\x12\x19.conveyor.v1.StatsRequest\x1a\x1a.conveyor.v1.StatsResponse\x12M\n\x04Info\x12!.conveyor.v1.SchedulerInfoRequest\x1a\".conveyor.v1.SchedulerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULERINFORESPONSE']._serialized_start=69
   _globals['_SCHEDULERINFORESPONSE']._serialized_end=230
   _globals['_SUBMITREQUEST']._serialized_start=232
-  _globals['_SUBMITREQUEST']._serialized_end=267
-  _globals['_SUBMITRESPONSE']._serialized_start=269
-  _globals['_SUBMITRESPONSE']._serialized_end=302
-  _globals['_SCHEDULERABORTREQUEST']._serialized_start=304
-  _globals['_SCHEDULERABORTREQUEST']._serialized_end=347
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=349
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=390
-  _globals['_FINISHREQUEST']._serialized_start=392
-  _globals['_FINISHREQUEST']._serialized_end=447
-  _globals['_FINISHRESPONSE']._serialized_start=449
-  _globals['_FINISHRESPONSE']._serialized_end=465
-  _globals['_STATSREQUEST']._serialized_start=467
-  _globals['_STATSREQUEST']._serialized_end=481
-  _globals['_REQUESTSTATE']._serialized_start=484
-  _globals['_REQUESTSTATE']._serialized_end=615
-  _globals['_STATSRESPONSE']._serialized_start=618
-  _globals['_STATSRESPONSE']._serialized_end=922
-  _globals['_SCHEDULER']._serialized_start=925
-  _globals['_SCHEDULER']._serialized_end=1295
+  _globals['_SUBMITREQUEST']._serialized_end=268
+  _globals['_SUBMITRESPONSE']._serialized_start=270
+  _globals['_SUBMITRESPONSE']._serialized_end=348
+  _globals['_SUBMITREFUSAL']._serialized_start=350
+  _globals['_SUBMITREFUSAL']._serialized_end=416
+  _globals['_SCHEDULERABORTREQUEST']._serialized_start=418
+  _globals['_SCHEDULERABORTREQUEST']._serialized_end=461
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=463
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=504
+  _globals['_FINISHREQUEST']._serialized_start=506
+  _globals['_FINISHREQUEST']._serialized_end=561
+  _globals['_FINISHRESPONSE']._serialized_start=563
+  _globals['_FINISHRESPONSE']._serialized_end=579
+  _globals['_STATSREQUEST']._serialized_start=581
+  _globals['_STATSREQUEST']._serialized_end=595
+  _globals['_REQUESTSTATE']._serialized_start=598
+  _globals['_REQUESTSTATE']._serialized_end=729
+  _globals['_STATSRESPONSE']._serialized_start=732
+  _globals['_STATSRESPONSE']._serialized_end=1036
+  _globals['_SCHEDULER']._serialized_start=1039
+  _globals['_SCHEDULER']._serialized_end=1409
 # @@protoc_insertion_point(module_scope)

@@ -29,16 +29,28 @@ class SchedulerInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_waiting: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("waiting",)
+    __slots__ = ("waiting", "refused")
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     waiting: int
-    def __init__(self, waiting: _Optional[int] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[SubmitRefusal]
+    def __init__(self, waiting: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[SubmitRefusal, _Mapping]]] = ...) -> None: ...
+
+class SubmitRefusal(_message.Message):
+    __slots__ = ("request_id", "code", "details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: str
+    details: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
 
 class SchedulerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

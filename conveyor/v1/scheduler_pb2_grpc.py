@@ -65,8 +65,8 @@ class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Submit(self, request, context):
-        """Schedule a request the frontend has just written to Redis (read from there by id).
-        RESOURCE_EXHAUSTED when the waiting queue is full; submitting an id twice is a no-op.
+        """Schedule requests the frontend has just written to Redis (read from there by id). Each id is accepted or
+        refused alone (RESOURCE_EXHAUSTED when the waiting queue is full, ...); submitting an id twice is a no-op.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
