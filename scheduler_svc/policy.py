@@ -421,9 +421,11 @@ class Scheduler:
         out, nor in a step with more than ``spec_max_batch`` running, nor while the request pauses
         drafting; else as many as pay for their rows at its acceptance rate (``best_drafts``), never past its
         max_tokens or the max model length."""
+        if not self.spec_tokens:
+            return 0
         decode = n == 1 and request.num_pending <= 1 and not registers
         params = request.params
-        if not (self.spec_tokens and decode and params.speculative):
+        if not (decode and params.speculative):
             return 0
         if len(self.running) > self.spec_max_batch:
             self.counters.spec_skipped["batch"] += 1

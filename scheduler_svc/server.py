@@ -82,18 +82,27 @@ def _alternatives(t: worker_pb2.SampledToken) -> list[tuple[int, float]]:
 
 
 def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
-    wants = {c.request.request_id: c.request.params.sampling.logprobs is not None for c in plan.chunks}
+    """The worker's answer, in one pass over its tokens (a step's few hundred are most of the scheduler's reading)."""
+    wants = {c.request.request_id for c in plan.chunks if c.request.params.sampling.logprobs is not None}
 
     def token(t: worker_pb2.SampledToken, seq_id: str) -> tuple[int, object]:
-        return t.token_id, (t.logprob, _alternatives(t)) if wants.get(seq_id) else None
+        return t.token_id, (t.logprob, _alternatives(t)) if seq_id in wants else None
 
-    sampled = {t.seq_id: token(t, t.seq_id) for t in reply.tokens if not t.error}
-    scored = {p.seq_id: (p.first_position, [(t.token_id, t.logprob, rank, _alternatives(t))
-                                            for t, rank in zip(p.tokens, p.ranks)])
-              for p in reply.prompt_logprobs}
-    accepted = {t.seq_id: [token(a, t.seq_id) for a in t.accepted] for t in reply.tokens if t.accepted and not t.error}
-    return Answer(sampled, scored, {t.seq_id: t.error for t in reply.tokens if t.error}, accepted,
-                  {t.seq_id: t.drafted for t in reply.tokens if t.drafted})
+    answer = Answer({})
+    for t in reply.tokens:
+        seq_id = t.seq_id
+        if t.error:
+            answer.failed[seq_id] = t.error
+            continue
+        answer.sampled[seq_id] = token(t, seq_id) if wants else (t.token_id, None)
+        if t.accepted:
+            answer.accepted[seq_id] = [token(a, seq_id) for a in t.accepted]
+        if t.drafted:
+            answer.drafted[seq_id] = t.drafted
+    answer.scored = {p.seq_id: (p.first_position, [(t.token_id, t.logprob, rank, _alternatives(t))
+                                                   for t, rank in zip(p.tokens, p.ranks)])
+                     for p in reply.prompt_logprobs}
+    return answer
 
 
 def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatch:
