@@ -164,9 +164,11 @@ class Metrics:
         return self._metrics[name]
 
     def __getattr__(self, short: str):
+        """Found once, then an attribute like any other (some are reached once per token)."""
         metrics = self.__dict__["_metrics"]
         for name in (f"conveyor_{short}", f"conveyor_{short}_total"):
             if name in metrics:
+                self.__dict__[short] = metrics[name]
                 return metrics[name]
         raise AttributeError(f"{self.process} has no metric conveyor_{short}")
 
