@@ -410,10 +410,10 @@ class StepWriter:
             hset += ("first_token", repr(first_token))
         if prompt_logprobs is not None:
             hset += ("prompt_logprobs", json.dumps(prompt_logprobs, separators=(",", ":")))
-        at = len(self.commands)
-        self.commands += (("LTRIM", out, 0, before - 1) if before else ("DEL", out), ("RPUSH", out, *token_ids), hset)
-        # the append's length is exactly known; only the new fields may be created
-        self._checks += ((at + 1, request_id, num_output, True), (at + 2, request_id, (len(hset) - 6) // 2, False))
+        self.commands += (("LTRIM", out, 0, before - 1) if before else ("DEL", out), ("RPUSH", out, *token_ids))
+        self._expect(request_id, num_output, exact=True)
+        self.commands.append(hset)
+        self._expect(request_id, (len(hset) - 6) // 2, exact=False)  # only the new fields may be created
         self._queued(request_id)
 
     def finished(self, request_id: str, alias: str, reason: str, num_output: int, now: float, trim: bool = False,

@@ -94,7 +94,7 @@ def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
         if t.error:
             answer.failed[seq_id] = t.error
             continue
-        answer.sampled[seq_id] = token(t, seq_id) if wants else (t.token_id, None)
+        answer.sampled[seq_id] = token(t, seq_id)
         if t.accepted:
             answer.accepted[seq_id] = [token(a, seq_id) for a in t.accepted]
         if t.drafted:
@@ -219,7 +219,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return self._engine
 
     def Submit(self, request, context):
-        waiting, refused = self.engine.submit_many(list(dict.fromkeys(request.request_ids)))
+        waiting, refused = self.engine.submit_many(list(request.request_ids))  # an id given twice is read and queued once
         return scheduler_pb2.SubmitResponse(waiting=waiting, refused=[
             scheduler_pb2.SubmitRefusal(request_id=rid, code=exc.code, details=str(exc)) for rid, exc in refused.items()])
 
