@@ -11,7 +11,7 @@ a Tiger Lake: AVX512 F/BW/VL and VNNI) on bare metal: ``boot.S`` enters long mod
 state itself, ``runtime.c`` is the little of a C library the check needs, isolinux's ``mboot.c32`` loads it
 from an ISO built here (packages from Debian's archive, installed on first use). It takes about half a minute.
 (Linux does not boot there: Bochs 2.7 reports save-area sizes Linux refuses, and it then turns AVX off.)
-Bochs 2.7 has no AVX512-BF16, so ``--isa avx512bf16`` runs only on a CPU that has it; emulated, the bf16
+Bochs 2.7 has no AVX512-BF16 nor AMX, so ``--isa avx512bf16`` and ``--isa amx`` run only on a CPU that has them; emulated, the bf16
 tile loop is still checked with ``vdpbf16ps`` replaced by the two FMAs it equals (``isa.h``).
 Never part of the tests or CI: the suite checks the set the CI machine has.
 """
@@ -35,7 +35,7 @@ from worker_svc import cpu_kernels  # noqa: E402
 HERE = ROOT / "bench" / "isa_check"
 KERNELS = ROOT / "worker_svc" / "cpu_kernels"
 EXPORTED = ["tile_gemm", "tile_repack", "tile_dequant_rows", "tile_isa", "tile_int8_max_rows", "tile_supported",
-            "tile_work_bytes"]
+            "tile_work_bytes", "tile_amx_ready"]
 PACKAGES = ["bochs", "bochsbios", "vgabios", "bochs-term", "isolinux", "syslinux-common", "xorriso"]
 FLAGS = ["-O2", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=gnu11"]
 BARE = ["-ffreestanding", "-fno-pic", "-fno-pie", "-mno-red-zone", "-fno-stack-protector",
@@ -143,8 +143,8 @@ def main() -> None:
         program = root / f"isa_check-{args.isa}"
         build_native(args.isa, program)
         sys.exit(subprocess.run([str(program)]).returncode)
-    if args.isa == "avx512bf16":
-        sys.exit("Bochs 2.7 emulates no AVX512-BF16: --isa avx512bf16 runs only on a CPU that has it")
+    if args.isa in ("avx512bf16", "amx"):
+        sys.exit(f"Bochs 2.7 emulates no AVX512-BF16 nor AMX: --isa {args.isa} runs only on a CPU that has it")
     print(f"this CPU lacks {args.isa}: running it in Bochs (a Tiger Lake), on bare metal")
     image = root / f"isa_check-{args.isa}.bin"
     build_bare(args.isa, image)

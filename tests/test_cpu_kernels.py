@@ -115,6 +115,27 @@ def test_every_instruction_set_gives_the_same_fast_product(qtype):
             assert torch.equal(y[: len(first)], first), name
 
 
+@pytest.mark.skipif("amx" not in cpu_kernels.supported_isas(), reason="this CPU has no AMX tiles")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("passes", [1, 2])
+def test_amx_tiles_give_the_bits_of_the_vector_tiles_at_every_row_count(qtype, passes):
+    """AMX multiplies 16 rows of x at a time (the rest of a batch goes through the vector tiles): each block's
+    integer sums are exact and scaled in the same order, so every row count gives avx512bf16's bits."""
+    n, k = 99, 320
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(passes)) * 2
+    results = {}
+    for name in ("avx512bf16", "amx"):
+        cpu_kernels.use_isa(name)
+        try:
+            assert cpu_kernels.isa() == name
+            qweight, _ = _quantized(qtype, n, k, seed=passes, tiles=True)
+            results[name] = {m: cpu_kernels.qgemm(x[:m], qweight, int(qtype), n, passes) for m in (15, 16, 17, 32, 47, 70)}
+        finally:
+            cpu_kernels.use_isa("auto")
+    for m, y in results["amx"].items():
+        assert torch.equal(y, results["avx512bf16"][m]), m
+
+
 def _reference_attention(q, k_cache, v_cache, tables, token_seq, token_pos):
     """Token by token: gather the context through the block table, softmax(q k^T / sqrt(d)) v."""
     _, block_size, hkv, d = k_cache.shape

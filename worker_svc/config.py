@@ -9,7 +9,7 @@ from conveyor.config import parse_size, require, setting
 ENV_PREFIX = "CONVEYOR_WORKER_"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "native", "flex", "sdpa")
-CPU_ISAS = ("auto", "avx2", "avx512", "avx512bf16")  # worker_svc.cpu_kernels.ISAS
+CPU_ISAS = ("auto", "avx2", "avx512", "avx512bf16", "amx")  # worker_svc.cpu_kernels.ISAS
 # --numerics: the int8 passes per block of 32 that x is quantized in for a quantized weight (0: the exact product)
 NUMERICS = {"exact": 0, "fast": 2, "int8": 1}
 

@@ -13,8 +13,9 @@ PyTorch's dispatch and by fp32 weight traffic; the arithmetic is the same as the
 The shared library is compiled with the system C compiler into the Conveyor cache folder (keyed by
 the source's hash and the instruction set), then loaded with ``ctypes``; compiling takes a few seconds, once
 per machine. There is one library per instruction set (``ISAS``): AVX2 (every x86-64 CPU the kernels run
-on), AVX512 with VNNI (Ice Lake, Zen 4 and later: ``vpdpbusd``) and that with BF16 too (Cooper Lake,
-Sapphire Rapids, Zen 4: ``vdpbf16ps``); ``use_isa`` picks one, by default the best this CPU has.
+on), AVX512 with VNNI (Ice Lake, Zen 4 and later: ``vpdpbusd``), that with BF16 too (Cooper Lake,
+Sapphire Rapids, Zen 4: ``vdpbf16ps``) and that with AMX tiles (Sapphire Rapids and later: quantized weights
+multiplied 16 rows of x at a time, the same bits); ``use_isa`` picks one, by default the best this CPU has.
 ``available()`` says whether the kernels can be used here and, when not, why (no compiler, no AVX2, ...).
 """
 
@@ -56,6 +57,8 @@ ISAS = {
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
     "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"},
                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"]),
+    "amx": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"},
+            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"]),
 }
 _chosen = {"isa": "auto"}
 
@@ -151,6 +154,11 @@ def _library(wanted: str = "auto") -> tuple[ctypes.CDLL | None, str, str]:
         return None, f"compiling the CPU kernels failed: {exc.stderr.strip()[:500]}", ""
     except OSError as exc:
         return None, f"loading the compiled kernel failed: {exc}", ""
+    if chosen == "amx" and not lib.tile_amx_ready():  # the kernel did not grant the tiles' state (Linux < 5.16)
+        if wanted == "auto":
+            log.warning("the CPU has AMX but the kernel does not let this process use it; using avx512bf16")
+            return _library("avx512bf16")
+        return None, "--cpu-isa amx: the operating system does not let this process use AMX tiles", ""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.qgemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.qgemm.restype = ctypes.c_int
@@ -218,7 +226,7 @@ def int8_max_rows(passes: int) -> int:
 def bf16_dots() -> bool:
     """Whether the CPU multiplies bf16 pairs in one instruction (AVX512-BF16), which the fast numerics then use
     for bf16 weights."""
-    return _lib().tile_isa() == 513
+    return _lib().tile_isa() >= 513
 
 
 def tiled(qtype: int, numerics: str) -> bool:

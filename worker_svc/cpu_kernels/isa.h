@@ -90,6 +90,14 @@ typedef __m256 vf;
 
 #endif
 
+// AMX (Sapphire Rapids and later): tile registers of up to 16 rows x 64 bytes and one instruction multiplying
+// two of them into a third (tdpbsud: 16 x 16 int32 sums of 64 products each); tiles.c uses it from a few rows of x.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && ISA_VNNI
+#define ISA_AMX 1
+#else
+#define ISA_AMX 0
+#endif
+
 #ifndef ISA_BF16
 // The products of two bf16 values are exact in fp32, so two FMAs (odd pair first, as vdpbf16ps orders them)
 // give what the instruction gives (but for its flushing of denormals).

@@ -201,6 +201,175 @@ static void strip_q_any(int type, int mr, int passes, int ns, const uint8_t *con
 #undef ARGS
 }
 
+// ---------------------------------------------------------------- quantized weights with AMX tiles
+
+// With AMX one instruction multiplies a tile of x (16 rows x one block of 32 int8: a pass) with a tile of W (a
+// block of 16 output rows, its 8 k-groups as B's rows: the tile layout's, Q4 nibbles spread to bytes first) into
+// 16 x 16 int32 sums: a block's exact integer dots for 16 rows of x at once (8,192 multiply-adds, against 64 per
+// vpdpbusd). They go through memory (no move from a tile to a vector register), and each row's block is scaled
+// and summed as strip_q does, vector for vector: the same operations on the same integers, so the same bits as
+// the other instruction sets. Rows of x come 16 at a time; the rest of a batch goes through strip_q.
+// Per block the tile unit and the vector unit each have about as much to do (a block's sums are 4 bytes per 32
+// products and pass, written and read back: 1.3x AVX512-VNNI's tiles at 256 rows, two passes, on a Sapphire
+// Rapids VM), so block b + 2 is multiplied while block b is scaled.
+#if ISA_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { AMX_ROWS = 16, AMX_B_BYTES = 8 * 64, AMX_C_BYTES = AMX_ROWS * 64, AMX_RING = 4 };
+
+// Linux grants a process the tiles' 8 KB of register state only when asked (arch_prctl, kernel 5.16 and later).
+// Returns 1 when it did; asked once, before the threads that use them run.
+int tile_amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ready;
+}
+
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+// Per thread. Tiles 0, 1 and 5, 6: C, the sums of x's two passes (16 rows of x x 16 W rows, int32) for even and
+// odd blocks; 2, 3: A, x's passes (16 rows x 32 int8); 4 and 7: B, a block of 16 W rows for even and odd blocks
+// (8 k-groups x 16 rows x 4 bytes).
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
+    c.colsb[2] = c.colsb[3] = QK;
+    c.rows[4] = c.rows[7] = 8;
+    _tile_loadconfig(&c);
+}
+
+// A group's nb blocks of W as B tiles, 512 B each: Q8_0's as they are (signed: tdpbssd, no offset), Q4's nibbles
+// spread to one byte each (k-groups 0-3 the low nibbles of the 4 slots, 4-7 the high ones, as weights_u8 reads).
+static const uint8_t *amx_weights(int type, const uint8_t *group, int64_t nb, uint8_t *buf) {
+    if (type == TYPE_Q8_0) return group;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++)
+        for (int s = 0; s < 4; s++) {
+            const __m512i packed = _mm512_loadu_si512(group + b * 256 + 64 * s);
+            _mm512_store_si512(buf + b * AMX_B_BYTES + 64 * s, _mm512_and_si512(packed, low));
+            _mm512_store_si512(buf + b * AMX_B_BYTES + 64 * (s + 4), _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+        }
+    return buf;
+}
+
+// Block b's sums: x's passes (tiles 2, 3) times W (tile BT) into tiles C0, C1, stored to cb and cb + 256.
+#define AMX_BLOCK(b, C0, C1, BT, cb)                                                                            \
+    do {                                                                                                        \
+        _tile_loadd(BT, bw + (b) * AMX_B_BYTES, 64);                                                            \
+        _tile_loadd(2, xq + (b) * QK, passes * K);                                                              \
+        _tile_zero(C0);                                                                                         \
+        if (type == TYPE_Q8_0) _tile_dpbssd(C0, 2, BT);                                                         \
+        else _tile_dpbsud(C0, 2, BT);                                                                           \
+        _tile_stored(C0, cb, 64);                                                                               \
+        if (passes == 2) {                                                                                      \
+            _tile_loadd(3, xq + K + (b) * QK, passes * K);                                                      \
+            _tile_zero(C1);                                                                                     \
+            if (type == TYPE_Q8_0) _tile_dpbssd(C1, 3, BT);                                                     \
+            else _tile_dpbsud(C1, 3, BT);                                                                       \
+            _tile_stored(C1, (cb) + 256, 64);                                                                   \
+        }                                                                                                       \
+    } while (0)
+
+// strip_q's scaling of block b's sums (c: pass 0, c + 256: pass 1) into each row's running sums. ``xadd`` per row
+// and block: Q4_0's offset (8 sum x, int32), Q4_1's mins factor (xd sum x, float), as strip_q computes them.
+static inline __attribute__((always_inline)) void amx_scale(int type, int passes, const int32_t *c, int64_t b,
+                                                              const uint8_t *ds, const uint8_t *ms, int64_t nb,
+                                                              const float *xd, const int32_t *xadd, vf acc[AMX_ROWS]) {
+    const vf scale = vf_half(ds + b * TILE * 2);
+    const vf mins = type == TYPE_Q4_1 ? vf_half(ms + b * TILE * 2) : vf_zero();
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++) {  // unrolled: the sums stay in registers
+        vi total = _mm512_load_si512(c + 16 * i);
+        if (passes == 2) total = vi_add32(vi_mullo32(total, vi_set1_32(RATIO)), _mm512_load_si512(c + 256 + 16 * i));
+        if (type == TYPE_Q4_0) total = vi_sub32(total, vi_set1_32(xadd[i * nb + b]));
+        acc[i] = vf_fma(scale, vf_mul(vf_cvt(total), vf_set1(xd[i * nb + b])), acc[i]);
+        if (type == TYPE_Q4_1) acc[i] = vf_fma(mins, vf_set1(((const float *)xadd)[i * nb + b]), acc[i]);
+    }
+}
+
+// 16 rows of y from 16 rows of x, the 16 columns of one group (``valid`` of them real). c: a ring of AMX_RING
+// buffers of a block's two C tiles.
+static inline __attribute__((always_inline)) void amx_rows(int type, int passes, const uint8_t *bw, const uint8_t *ds,
+                                                             const uint8_t *ms, int64_t nb, const int8_t *xq,
+                                                             int64_t K, const float *xd, const int32_t *xadd,
+                                                             int32_t *c, float *y, int64_t N, int64_t valid) {
+    vf acc[AMX_ROWS];
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++) acc[i] = vf_zero();
+#define RING(i) (c + ((i) % AMX_RING) * 2 * AMX_C_BYTES / 4)
+    AMX_BLOCK(0, 0, 1, 4, RING(0));
+    if (nb > 1) AMX_BLOCK(1, 5, 6, 7, RING(1));
+    for (int64_t b = 0; b < nb; b += 2) {
+        if (b + 2 < nb) AMX_BLOCK(b + 2, 0, 1, 4, RING(b + 2));
+        amx_scale(type, passes, RING(b), b, ds, ms, nb, xd, xadd, acc);
+        if (b + 1 < nb) {
+            if (b + 3 < nb) AMX_BLOCK(b + 3, 5, 6, 7, RING(b + 3));
+            amx_scale(type, passes, RING(b + 1), b + 1, ds, ms, nb, xd, xadd, acc);
+        }
+    }
+#undef RING
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++) _mm512_mask_storeu_ps(y + i * N, keep, acc[i]);
+}
+#undef AMX_BLOCK
+
+static void amx_rows_any(int type, int passes, const uint8_t *bw, const uint8_t *ds, const uint8_t *ms, int64_t nb,
+                         const int8_t *xq, int64_t K, const float *xd, const int32_t *xadd, int32_t *c, float *y,
+                         int64_t N, int64_t valid) {
+#define ARGS bw, ds, ms, nb, xq, K, xd, xadd, c, y, N, valid
+#define TYPES(P)                                                                                                \
+    if (type == TYPE_Q4_0) amx_rows(TYPE_Q4_0, P, ARGS);                                                        \
+    else if (type == TYPE_Q4_1) amx_rows(TYPE_Q4_1, P, ARGS);                                                   \
+    else amx_rows(TYPE_Q8_0, P, ARGS);
+    if (passes == 1) { TYPES(1) } else { TYPES(2) }
+#undef TYPES
+#undef ARGS
+}
+
+// Bytes of each thread's buffer: a group's B tiles, then the ring of C tiles.
+static int64_t amx_buffer_bytes(int64_t K) { return K / QK * AMX_B_BYTES + AMX_RING * 2 * AMX_C_BYTES; }
+
+// Rows [0, M) of y (M a multiple of 16) from x quantized (xq, xd, xsum: quantize_rows), W in tiles; each thread's
+// buffer (amx_buffer_bytes) at ``buffers`` + its number x ``stride``; xadd: M x nb values of scratch.
+static void amx_gemm(int type, int passes, const int8_t *xq, const float *xd, const int32_t *xsum, int64_t M,
+                     int64_t K, const uint8_t *w, int64_t N, float *y, uint8_t *buffers, int64_t stride,
+                     int32_t *xadd) {
+    const int64_t nb = K / QK, groups = (N + TILE - 1) / TILE, row_bytes = nb * block_bytes(type);
+    if (type == TYPE_Q4_0)
+        for (int64_t i = 0; i < M * nb; i++) xadd[i] = 8 * xsum[i];
+    else if (type == TYPE_Q4_1)
+        for (int64_t i = 0; i < M * nb; i++) ((float *)xadd)[i] = xd[i] * (float)xsum[i];
+#pragma omp parallel
+    {
+        amx_configure();
+        uint8_t *buf = buffers + omp_get_thread_num() * stride;
+        int32_t *c = (int32_t *)(buf + nb * AMX_B_BYTES);
+#pragma omp for schedule(guided)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *group = w + g * TILE * row_bytes;
+            const uint8_t *ds = group + nb * tile_quant_bytes(type);
+            const uint8_t *ms = type == TYPE_Q4_1 ? ds + nb * TILE * 2 : NULL;
+            const uint8_t *bw = amx_weights(type, group, nb, buf);
+            const int64_t valid = N - g * TILE < TILE ? N - g * TILE : TILE;
+            for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS)
+                amx_rows_any(type, passes, bw, ds, ms, nb, xq + m0 * passes * K, K, xd + m0 * nb, xadd + m0 * nb, c,
+                             y + m0 * N + g * TILE, N, valid);
+        }
+        _tile_release();
+    }
+}
+#else
+int tile_amx_ready(void) { return 0; }
+#endif
+
 // ---------------------------------------------------------------- quantized weights, the fp32 product
 
 // Where integer dots are slower than fp32 FMAs (AVX2 has no vpdpbusd: a 2-pass block takes four multiplies
@@ -372,16 +541,28 @@ int tile_supported(int type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || 
 // (a Zen 1); one pass costs two, and beat the fp32 product at every row count (1.3-2.2x, the AVX2 build on a Zen 5).
 int tile_int8_max_rows(int passes) { return ISA_VNNI || passes == 1 ? 1 << 30 : 3; }
 
-// What the kernels were compiled for: 2 AVX2, 512 AVX512-VNNI (bf16 dots emulated), 513 with AVX512-BF16.
-int tile_isa(void) { return ISA_VNNI ? (ISA_BF16 ? 513 : 512) : 2; }
+// What the kernels were compiled for: 2 AVX2, 512 AVX512-VNNI (bf16 dots emulated), 513 with AVX512-BF16, 514
+// with AMX too (used once tile_amx_ready() said yes).
+int tile_isa(void) { return ISA_VNNI ? (ISA_AMX ? 514 : ISA_BF16 ? 513 : 512) : 2; }
 
 static inline int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
 
-// Bytes of work memory tile_gemm needs for M rows of K on ``threads`` threads.
+// Bytes of each thread's own work memory: the fp32 product's expanded group (and AMX's B and C tiles).
+static int64_t thread_bytes(int64_t K) {
+    const int64_t expanded = round64(K * TILE * (int64_t)sizeof(float));
+#if ISA_AMX
+    return expanded > round64(amx_buffer_bytes(K)) ? expanded : round64(amx_buffer_bytes(K));
+#else
+    return expanded;
+#endif
+}
+
+// Bytes of work memory tile_gemm needs for M rows of K on ``threads`` threads (with AMX, the scaling's terms per
+// row and block too).
 int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads) {
     const int64_t nb = K / QK;
     return round64(passes * M * K * 2) + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))) +
-           (int64_t)threads * round64(K * TILE * (int64_t)sizeof(float)) + 64;
+           (int64_t)threads * thread_bytes(K) + (ISA_AMX ? round64(M * nb * 4) : 0) + 64;
 }
 
 // y (M, N) = x (M, K) @ W^T, W (N, K) in tiles (tile_repack). ``passes``: 1 or 2 (see the top). ``work``:
@@ -414,10 +595,22 @@ int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
     } else if (dots) {
         quantize_rows(x, M, K, passes, xq, xd, xsum);
     }
+    int64_t first = 0;  // rows before this one are done (by AMX)
+#if ISA_AMX
+    if (!dense && M >= AMX_ROWS && tile_amx_ready()) {
+        first = M / AMX_ROWS * AMX_ROWS;
+        amx_gemm(type, passes, xq, xd, xsum, first, K, w, N, y, (uint8_t *)expanded, thread_bytes(K),
+                 (int32_t *)((uint8_t *)expanded + threads * thread_bytes(K)));
+        if (first == M) {
+            free(owned);
+            return 0;
+        }
+    }
+#endif
     if (!dots) {  // the fp32 product, a group of 16 rows per item
 #pragma omp parallel
         {
-            float *buf = expanded + omp_get_thread_num() * (round64(K * TILE * (int64_t)sizeof(float)) / sizeof(float));
+            float *buf = expanded + omp_get_thread_num() * (thread_bytes(K) / sizeof(float));
             float out[MR_F32 * TILE] __attribute__((aligned(64)));
 #pragma omp for schedule(guided)
             for (int64_t g = 0; g < groups; g++) {
@@ -455,12 +648,12 @@ int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
         const int64_t from = (item + 1) * ns * W, to = from + ns * W < groups * TILE ? from + ns * W : groups * TILE;
         const Ahead next = {w + from * row_bytes, to > from ? (to - from) * row_bytes : 0};  // W rows' bytes each
         float out[2 * MR * W] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += mrows) {
+        for (int64_t m0 = first; m0 < M; m0 += mrows) {
             const int mr = (int)(M - m0 < mrows ? M - m0 : mrows);
             if (dense) strip_bf16_any(mr, passes, count, qs, K, (const uint16_t *)xq + m0 * passes * K, out,
-                                      m0 == 0 ? next : (Ahead){NULL, 0});
+                                      m0 == first ? next : (Ahead){NULL, 0});
             else strip_q_any(type, mr, passes, count, qs, ds, ms, nb, xq + m0 * passes * K, K, xd + m0 * nb,
-                             xsum + m0 * nb, out, m0 == 0 ? next : (Ahead){NULL, 0});
+                             xsum + m0 * nb, out, m0 == first ? next : (Ahead){NULL, 0});
             for (int s = 0; s < count; s++) {
                 const int64_t valid = N - n0[s] < W ? N - n0[s] : W;
                 for (int i = 0; i < mr; i++)
