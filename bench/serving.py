@@ -122,7 +122,7 @@ def main() -> None:
     dtype = resolve_dtype("auto", device)
     loaded = load_model(args.model, device=device, dtype=dtype, numerics=args.numerics)
     need = max(args.concurrency) * ((args.prompt_tokens + args.max_tokens + 32) // 16 + 1)
-    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, device, dtype),
+    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, need, device, loaded.kv_dtype()),
                          loaded.max_model_len, seed=0, graphs=CudaGraph.factory() if device.type == "cuda" else None,
                          max_graph_batch=max(args.concurrency))
     if runner.graphs is not None:  # as the served worker does before it serves: no capture inside a timed round

@@ -193,7 +193,7 @@ def prefill_rate(numerics: str) -> float:
     from conveyor.params import SamplingParams
 
     loaded = load_model("default", numerics=numerics)
-    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, 40, "cpu", torch.float32),
+    runner = ModelRunner(loaded.model, KVCache.allocate(loaded.config, 16, 40, "cpu", loaded.kv_dtype()),
                          loaded.max_model_len, seed=0)
     ids = torch.randint(100, loaded.config.vocab_size - 100, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     rates = []

@@ -24,7 +24,7 @@ import torch
 
 from conveyor.params import SamplingParams
 from worker_svc import cpu_kernels
-from worker_svc.config import ATTENTION, CPU_ISAS, NUMERICS
+from worker_svc.config import ATTENTION, CPU_ISAS, KV_CACHE_DTYPES, NUMERICS
 from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.loader import load_model
@@ -161,6 +161,7 @@ def main() -> None:
                         help="the worker's --numerics (transformers always computes the exact product)")
     parser.add_argument("--attention", choices=ATTENTION, default="auto", help="the worker's --attention")
     parser.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto", help="the worker's --cpu-isa")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the worker's --kv-cache-dtype")
     parser.add_argument("--no-graphs", action="store_true", help="on a GPU: every decode step eager (--no-cuda-graphs)")
     parser.add_argument("--generate", action="store_true",
                         help="also time transformers' generate() per decoded token (the issue's batch-1 yardstick)")
@@ -172,7 +173,8 @@ def main() -> None:
     loaded = load_model(args.model, device=device, dtype=dtype, attention=args.attention, numerics=args.numerics)
     need = max(args.batches) * ((max(args.contexts) + args.steps + 2 + 16) // 16 + 1)
     need = max(need, args.prefill_batch * (args.prefill_len // 16 + 1))
-    cache = KVCache.allocate(loaded.config, 16, need, device, dtype)
+    cache_dtype = loaded.kv_dtype(args.kv_cache_dtype, args.attention)
+    cache = KVCache.allocate(loaded.config, 16, need, device, cache_dtype)
     graphs = CudaGraph.factory() if device.type == "cuda" and not args.no_graphs else None
     runner = ModelRunner(loaded.model, cache, loaded.max_model_len, seed=0, attention=args.attention, graphs=graphs,
                          max_graph_batch=max(args.batches))
@@ -182,7 +184,7 @@ def main() -> None:
     path = f"CPU kernels ({cpu_kernels.isa()}, {args.numerics})" if runner.attention == "native" else f"{runner.attention} attention" + \
         (", CUDA graphs" if runner.graphs else "")
     print(f"model {loaded.name}, {dtype}, {device} ({where}), {path}, KV {need} blocks x "
-          f"{bytes_per_block(loaded.config, 16, dtype)} B")
+          f"{bytes_per_block(loaded.config, 16, cache_dtype)} B of {str(cache_dtype).removeprefix('torch.')}")
     print(f"{'phase':<8}{'batch':>6}{'context':>9}{'conveyor tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}"
           + (f"{'generate tok/s':>16}{'ratio':>8}" if args.generate else ""))
 

@@ -22,14 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available()[0], reason="CPU kernels need x86-64 AVX2 and cc")
 
 
-def make_runner(loaded, block_size: int = 16, num_blocks: int = 1024, seed: int = 0, threads=None, **options):
-    """A runner over a fresh cache on the model's device and in its dtype; ``options`` go to ``ModelRunner``
-    (attention, compile_attention, graphs, max_graph_batch)."""
+def make_runner(loaded, block_size: int = 16, num_blocks: int = 1024, seed: int = 0, threads=None,
+                kv_cache_dtype: str = "auto", **options):
+    """A runner over a fresh cache on the model's device, in the dtype the worker's ``--kv-cache-dtype`` gives;
+    ``options`` go to ``ModelRunner`` (attention, compile_attention, graphs, max_graph_batch)."""
     from worker_svc.kv_cache import KVCache
     from worker_svc.runner import ModelRunner
 
-    weight = loaded.model.norm.weight
-    cache = KVCache.allocate(loaded.config, block_size, num_blocks, weight.device, weight.dtype)
+    dtype = loaded.kv_dtype(kv_cache_dtype, options.get("attention", "auto"))
+    cache = KVCache.allocate(loaded.config, block_size, num_blocks, loaded.model.norm.weight.device, dtype)
     return ModelRunner(loaded.model, cache, loaded.max_model_len, seed=seed, threads=threads, **options)
 
 

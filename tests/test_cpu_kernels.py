@@ -151,12 +151,14 @@ def _reference_attention(q, k_cache, v_cache, tables, token_seq, token_pos):
     return out
 
 
-def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_blocks=64, seed=0, prompt=None):
+def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_blocks=64, seed=0, prompt=None,
+                     dtype=torch.float32):
     """RoPE, the cache write and attention for the tokens given (``prompt``: which are prompt tokens), against
-    PyTorch."""
+    PyTorch; the cache in ``dtype`` (fp16: each K and V value rounded to nearest as PyTorch rounds it, the
+    reference attending to those values in fp32)."""
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
     per_seq = num_blocks // 3
     tables = torch.randperm(num_blocks, generator=g)[: 3 * per_seq].to(torch.int32).view(3, per_seq)
     token_seq = torch.tensor(token_seq, dtype=torch.int32)
@@ -177,9 +179,9 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
         return x * c + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * s
 
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    k_ref.view(-1, hkv, d)[slots] = rope(k, hkv)
-    v_ref.view(-1, hkv, d)[slots] = v.view(T, hkv, d)
-    expected = _reference_attention(rope(q, heads), k_ref, v_ref, tables, token_seq, token_pos)
+    k_ref.view(-1, hkv, d)[slots] = rope(k, hkv).to(dtype)
+    v_ref.view(-1, hkv, d)[slots] = v.view(T, hkv, d).to(dtype)
+    expected = _reference_attention(rope(q, heads), k_ref.float(), v_ref.float(), tables, token_seq, token_pos)
     flags = None if prompt is None else torch.tensor(prompt, dtype=torch.uint8)
     out = cpu_kernels.attention(qkv.clone(), heads, cos, sin, k_cache, v_cache, slots, tables, token_seq, token_pos,
                                 flags)
@@ -188,17 +190,20 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
     torch.testing.assert_close(out, expected.view(T, heads * d), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", cpu_kernels.KV_DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 128, 40])
-def test_attention_reads_the_paged_cache_like_a_gather(d):
+def test_attention_reads_the_paged_cache_like_a_gather(d, dtype):
     # a decode at position 41, a prefill chunk at positions 9..13 (attending to earlier context), a fresh token;
     # as decodes, then as prompt tokens
-    _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d)
-    _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d, prompt=[0, 1, 1, 1, 1, 1, 1])
+    _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d, dtype=dtype)
+    _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d, prompt=[0, 1, 1, 1, 1, 1, 1],
+                     dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", cpu_kernels.KV_DTYPES, ids=str)
 @pytest.mark.parametrize("d, heads, hkv, block_size", [(64, 9, 3, 16), (128, 4, 1, 4), (40, 8, 2, 8), (64, 16, 1, 16),
                                                      (64, 2, 2, 16), (32, 6, 1, 8)])
-def test_prompt_chunks_match_a_gather_however_their_tokens_group(d, heads, hkv, block_size):
+def test_prompt_chunks_match_a_gather_however_their_tokens_group(d, heads, hkv, block_size, dtype):
     """A prompt's tokens go in runs of consecutive tokens that share their keys (16 query rows at a time where the
     kernels have AVX512): a long chunk mid-context, a chunk from position 0 whose last key tile is partial, a
     decode between them, a run of two and a lone prompt token; 1, 3, 4 and 6 heads per KV head, and 16 (runs of
@@ -208,7 +213,7 @@ def test_prompt_chunks_match_a_gather_however_their_tokens_group(d, heads, hkv, 
     positions = list(range(70, 115)) + [60] + list(range(23)) + [61, 62] + [90]
     prompt = [1] * 45 + [0] + [1] * 20 + [0] * 3 + [1, 1] + [1]
     _check_attention(d, heads, hkv, seqs, positions, block_size=block_size, num_blocks=3 * (128 // block_size),
-                     prompt=prompt)
+                     prompt=prompt, dtype=dtype)
 
 
 @pytest.mark.parametrize("hkv", [1, 3])
@@ -219,7 +224,8 @@ def test_a_few_long_decodes_split_their_keys_over_threads_and_merge_exactly(hkv)
     torch.set_num_threads(2)  # the split happens when items < 2 x threads
     try:
         _check_attention(64, 3 * hkv, hkv, [0], [1500], block_size=16, num_blocks=300)
-        _check_attention(64, 3 * hkv, hkv, [0, 1], [1100, 0], block_size=16, num_blocks=300, seed=1)
+        _check_attention(64, 3 * hkv, hkv, [0, 1], [1100, 0], block_size=16, num_blocks=300, seed=1,
+                         dtype=torch.float16)
     finally:
         torch.set_num_threads(before)
 

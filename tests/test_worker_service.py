@@ -17,6 +17,8 @@ from conveyor.params import SamplingParams
 from conveyor.v1 import worker_pb2 as pb
 from conveyor.v1 import worker_pb2_grpc
 from conveyor.v1.conveyor_pb2 import SamplingOptions
+from worker_svc.kv_cache import bytes_per_block
+from worker_svc.loader import load_model
 from worker_svc.runner import SeqChunk, StepInput
 
 KV_BYTES = 64 << 20
@@ -214,6 +216,7 @@ def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default
         (["--block-size", "0"], "--block-size must be in [1, 1024]"),
         (["--model", "/nonexistent/model.gguf"], "no such file or folder"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--kv-cache-dtype", "float16", "--attention", "sdpa"], "--kv-cache-dtype float16: the sdpa backend"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_them(args, message):
@@ -290,6 +293,18 @@ def test_model_threads_spin_through_a_steps_barriers(stub, worker_process, defau
     link.close()
     step(stub, pb.StepRequest(free_seq_ids=["sa", "sb"]))
     assert sleeps < 5 * steps, f"{sleeps} sleeps in {steps} steps"
+
+
+def test_the_kv_cache_holds_fp16_under_the_fast_numerics_and_fp32_under_exact(default_model):
+    """--kv-cache-dtype auto: fp16 K and V on the CPU kernels under fast (half the bytes a decode reads), the
+    compute dtype under exact (its parity with transformers) and on the PyTorch backends."""
+    fast = load_model("default", numerics="fast")
+    assert fast.kv_dtype() == torch.float16 and fast.kv_dtype("float32") == torch.float32
+    assert default_model.numerics == "exact" and default_model.kv_dtype() == torch.float32
+    assert fast.kv_dtype("auto", "sdpa") == torch.float32
+    cache = make_runner(fast, num_blocks=4).cache
+    assert cache.k[0].dtype == torch.float16
+    assert bytes_per_block(fast.config, 16, torch.float16) * 2 == bytes_per_block(fast.config, 16, torch.float32)
 
 
 def test_the_gpu_kv_budget_follows_vllms_memory_utilization():

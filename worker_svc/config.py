@@ -9,6 +9,7 @@ from conveyor.config import parse_size, require, setting
 ENV_PREFIX = "CONVEYOR_WORKER_"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "native", "flex", "sdpa")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512bf16", "amx")  # worker_svc.cpu_kernels.ISAS
 # --numerics: the int8 passes per block of 32 that x is quantized in for a quantized weight (0: the exact product)
 NUMERICS = {"exact": 0, "fast": 2, "int8": 1}
@@ -40,6 +41,11 @@ class WorkerConfig:
         "96 %% top-1 agreement with exact where fast has 99.9 %%)",
         choices=tuple(NUMERICS),
     )
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV cache holds: auto = float16 with native attention under the fast and int8 numerics (half "
+        "the memory a decode's attention reads and twice the tokens in the same budget; K and V rounded to fp16 "
+        "once, as llama.cpp's default cache does), else the compute dtype (exact keeps float32); float32 or float16 "
+        "to choose (a dtype other than the compute dtype needs native attention)", choices=KV_CACHE_DTYPES)
     cpu_isa: str = setting("auto", "with native attention: the instruction set the CPU kernels are compiled for "
                                     "(auto: the best this CPU has)", choices=CPU_ISAS)
     quantize: str = setting(
@@ -84,6 +90,8 @@ class WorkerConfig:
         require(self.profile_tokens >= 1, "profile_tokens", "must be >= 1")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         require(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         require(self.cpu_isa in CPU_ISAS, "cpu_isa", f"must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         require(1 <= self.max_graph_batch <= 4096, "max_graph_batch", f"must be in [1, 4096], got {self.max_graph_batch}")
         require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")

@@ -11,10 +11,25 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.errors import ConfigError
 from worker_svc.model import ModelConfig
 
 CPU_DEFAULT_FRACTION = 0.25  # of available RAM when --kv-cache-bytes is not given
 CPU_DEFAULT_CAP = 2 << 30
+
+
+def kv_dtype(setting: str, backend: str, numerics: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype under ``--kv-cache-dtype setting`` for a model computing in ``dtype`` with ``backend``
+    (``backends.choose``'s name). auto: fp16 under the native backend's fast and int8 numerics (half the bytes a
+    decode's attention reads, and twice the tokens in the same memory; llama.cpp's default too), else ``dtype``
+    (exact keeps fp32: its logits match transformers'). The PyTorch backends attend in ``dtype`` only."""
+    if setting == "auto":
+        return torch.float16 if backend == "native" and numerics != "exact" else dtype
+    chosen = getattr(torch, setting)
+    if backend != "native" and chosen != dtype:
+        raise ConfigError(f"--kv-cache-dtype {setting}: the {backend} backend keeps its KV cache in the compute dtype "
+                         f"({str(dtype).removeprefix('torch.')}); other cache dtypes need --attention native")
+    return chosen
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -23,9 +23,10 @@ from conveyor.cache import cache_dir_for, write_atomic
 from conveyor.gguf_file import GGUFFile
 from conveyor.model_files import ModelFileError, resolve_model
 from conveyor.tokenizer import ModelTokenizer, load_tokenizer
-from worker_svc import cpu_kernels
+from worker_svc import backends, cpu_kernels
 from worker_svc.config import ATTENTION, NUMERICS
 from worker_svc.cpu_kernels import QUANTIZE, QUANTIZED
+from worker_svc.kv_cache import kv_dtype
 from worker_svc.model import LlamaModel, ModelConfig
 from worker_svc.packed import PackedEmbedding, PackedLinear
 
@@ -45,6 +46,12 @@ class LoadedModel:
     name: str
     max_model_len: int
     packed: bool  # linear layers run on the CPU kernels from packed weights (GGUF blocks or dense rows)
+    numerics: str  # the --numerics they were packed for
+
+    def kv_dtype(self, setting: str = "auto", attention: str = "auto") -> torch.dtype:
+        """The KV cache's dtype under ``--kv-cache-dtype setting`` (``kv_cache.kv_dtype``) for this model, its
+        numerics and the backend ``--attention attention`` picks for it."""
+        return kv_dtype(setting, backends.choose(attention, self.model), self.numerics, self.model.norm.weight.dtype)
 
     def weight_formats(self) -> str:
         """The formats the packed layers keep their weights in, e.g. "Q4_1, Q8_0" or "BF16"."""
@@ -108,7 +115,7 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
-    return LoadedModel(model, config, load_tokenizer(source), source.name, limit, packed)
+    return LoadedModel(model, config, load_tokenizer(source), source.name, limit, packed, numerics)
 
 
 def _use_packed(attention: str, quantize: str, device: torch.device, dtype: torch.dtype) -> bool:

@@ -212,7 +212,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
     started = time.perf_counter()
     loaded = load_model(cfg.model, device=device, dtype=dtype, max_model_len=cfg.max_model_len,
                         attention=cfg.attention, numerics=cfg.numerics, quantize=cfg.quantize)
-    block_bytes = bytes_per_block(loaded.config, cfg.block_size, dtype)
+    cache_dtype = loaded.kv_dtype(cfg.kv_cache_dtype, cfg.attention)
+    block_bytes = bytes_per_block(loaded.config, cfg.block_size, cache_dtype)
     memory = None
     if device.type == "cuda" and cfg.kv_cache_bytes is None:
         memory = profile_step(loaded, cfg.block_size, min(cfg.profile_tokens, loaded.max_model_len), device, dtype,
@@ -224,7 +225,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
                              f"of {memory.total / 2**30:.1f} GiB, the weights and a {cfg.profile_tokens}-token step "
                              f"took {memory.peak / 2**30:.1f} GiB, {memory.free / 2**30:.1f} GiB free")
         raise ValueError(f"--kv-cache-bytes is smaller than one block ({block_bytes} bytes)")
-    cache = KVCache.allocate(loaded.config, cfg.block_size, num_blocks, device, dtype)
+    cache = KVCache.allocate(loaded.config, cfg.block_size, num_blocks, device, cache_dtype)
     threads = cfg.threads or torch.get_num_threads()  # PyTorch's default: the cores this process may use
     small = small_step_threads(cfg.small_step_threads, threads, loaded.model)
     graphs = CudaGraph.factory() if device.type == "cuda" and cfg.cuda_graphs else None
@@ -238,12 +239,13 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb
             runner.graphs.capture_all()
     verify_cost = runner.verify_cost(VERIFY_DRAFTS)
     log.info(
-        "loaded %s in %.2fs on %s (%s%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB",
+        "loaded %s in %.2fs on %s (%s%s%s): %d KV blocks x %d tokens = %d tokens, %.0f MiB of %s",
         loaded.name, time.perf_counter() - started, device, str(dtype).removeprefix("torch."),
         f", {loaded.weight_formats()} weights" if loaded.packed else "",
         f", native attention (the CPU kernels, {cpu_kernels.isa()}), {cfg.numerics} numerics" if runner.attention == "native"
         else f", {runner.attention} attention{', CUDA graphs' if runner.graphs else ''}",
         num_blocks, cfg.block_size, num_blocks * cfg.block_size, num_blocks * block_bytes / 2**20,
+        str(cache_dtype).removeprefix("torch."),
     )
     info = worker_pb2.InfoResponse(
         model_name=loaded.name, vocab_size=loaded.config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids,

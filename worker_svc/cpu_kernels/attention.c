@@ -24,14 +24,25 @@
 
 #include "simd.h"
 
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t D) {
+// The cache holds fp32 values, or fp16 ones (``half``: --kv-cache-dtype float16, half the bytes a decode's
+// attention reads, which at 8-32 streams is most of its time); either is read as fp32 vectors, so the
+// arithmetic after the load is the same. ``index`` counts values.
+static inline __attribute__((always_inline)) const void *kv_at(const void *cache, int64_t index, int half) {
+    return (const char *)cache + index * (half ? 2 : 4);
+}
+
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+}
+
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, int half) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_load8(kv_at(b, d, half), half), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), kv_load8(kv_at(b, d + 8, half), half), acc1);
     }
-    for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+    for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_load8(kv_at(b, d, half), half), acc0);
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
@@ -65,19 +76,20 @@ static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_s
 
 // One (token, kv head) item over keys [j0, j1): G query heads against those keys of one sequence.
 // out_g = sum_j exp(s_gj - mx_g) v_j, not yet divided by sum_g (the caller merges or normalizes).
-static inline __attribute__((always_inline)) void attend(const float *qt, const float *k_cache,
-                                                          const float *v_cache, const int32_t *table,
+static inline __attribute__((always_inline)) void attend(const float *qt, const void *k_cache,
+                                                          const void *v_cache, const int32_t *table,
                                                           int64_t j0, int64_t j1, int64_t block_size, int64_t row,
                                                           int64_t G, int64_t D, float scale, float *scores,
-                                                          float *out, float *mx, float *sum) {
+                                                          float *out, float *mx, float *sum, int half) {
     const int64_t n = j1 - j0;
     // scores[g * n + j - j0] = q_g . k_j * scale, walking the block table block by block
     for (int64_t j = j0; j < j1;) {
         const int64_t blk = j / block_size, o0 = j % block_size;
-        const float *kb = k_cache + (int64_t)table[blk] * block_size * row;
+        const void *kb = kv_at(k_cache, (int64_t)table[blk] * block_size * row, half);
         const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
         for (int64_t o = o0; j < stop; o++, j++)
-            for (int64_t g = 0; g < G; g++) scores[g * n + j - j0] = dot(qt + g * D, kb + o * row, D) * scale;
+            for (int64_t g = 0; g < G; g++)
+                scores[g * n + j - j0] = dot(qt + g * D, kv_at(kb, o * row, half), D, half) * scale;
     }
     for (int64_t g = 0; g < G; g++) mx[g] = exp_shifted(scores + g * n, n, sum + g);
     // out_g accumulated in registers (D / 8 vectors) one head at a time
@@ -87,12 +99,12 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
         const float *p = scores + g * n;
         for (int64_t j = j0; j < j1;) {
             const int64_t blk = j / block_size, o0 = j % block_size;
-            const float *vb = v_cache + (int64_t)table[blk] * block_size * row;
+            const void *vb = kv_at(v_cache, (int64_t)table[blk] * block_size * row, half);
             const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
             for (int64_t o = o0; j < stop; o++, j++) {
                 const __m256 pj = _mm256_set1_ps(p[j - j0]);
                 for (int64_t d = 0; d < D / 8; d++)
-                    acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vb + o * row + 8 * d), acc[d]);
+                    acc[d] = _mm256_fmadd_ps(pj, kv_load8(kv_at(vb, o * row + 8 * d, half), half), acc[d]);
             }
         }
         for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(out + g * D + 8 * d, acc[d]);
@@ -107,14 +119,18 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
 // operations in the same order whichever keys share its vectors: the bits depend on the key range only.
 enum { HEADS_AT_ONCE = 4, AHEAD = 32 };  // AHEAD: keys between a row's prefetch and its use
 
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+}
+
 // Rows [j0, j1) of a cache (D floats of one head each) fetched toward L1 ahead of their use: the blocks of a
 // sequence lie anywhere, so the hardware's stride prefetchers do not see them coming (1.3-1.6x at 8-32 streams).
-static inline __attribute__((always_inline)) void prefetch_rows(const float *cache, const int32_t *table, int64_t j0,
+static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int32_t *table, int64_t j0,
                                                                  int64_t j1, int64_t block_size, int64_t row,
-                                                                 int64_t D) {
+                                                                 int64_t D, int half) {
     for (int64_t key = j0; key < j1; key++) {
-        const char *at = (const char *)(cache + slot_of(table, key, block_size) * row);
-        for (int64_t b = 0; b < D * (int64_t)sizeof(float); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+        const char *at = (const char *)kv_at(cache, slot_of(table, key, block_size) * row, half);
+        for (int64_t b = 0; b < D * (half ? 2 : 4); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
     }
 }
 
@@ -134,22 +150,22 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
 }
 
 // gh heads (at most HEADS_AT_ONCE) of the group: out_g += sum_j p_gj v_j over keys [j0, j1), p_g = scores + g * n.
-static inline __attribute__((always_inline)) void weigh_values(int gh, const float *v_cache, const int32_t *table,
+static inline __attribute__((always_inline)) void weigh_values(int gh, const void *v_cache, const int32_t *table,
                                                                 int64_t j0, int64_t j1, int64_t block_size,
                                                                 int64_t row, int64_t D, const float *scores,
-                                                                int64_t n, float *out) {
+                                                                int64_t n, float *out, int half) {
     __m512 acc[HEADS_AT_ONCE][MAX_D / 16];
     for (int g = 0; g < gh; g++)
         for (int64_t d = 0; d < D / 16; d++) acc[g][d] = _mm512_setzero_ps();
     for (int64_t j = j0; j < j1;) {
         const int64_t blk = j / block_size, o0 = j % block_size;
-        const float *vb = v_cache + (int64_t)table[blk] * block_size * row;
+        const void *vb = kv_at(v_cache, (int64_t)table[blk] * block_size * row, half);
         const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
         for (int64_t o = o0; j < stop; o++, j++) {
-            const float *vr = vb + o * row;
-            if (j + AHEAD < j1) prefetch_rows(v_cache, table, j + AHEAD, j + AHEAD + 1, block_size, row, D);
+            const void *vr = kv_at(vb, o * row, half);
+            if (j + AHEAD < j1) prefetch_rows(v_cache, table, j + AHEAD, j + AHEAD + 1, block_size, row, D, half);
             for (int64_t d = 0; d < D / 16; d++) {
-                const __m512 v = _mm512_loadu_ps(vr + 16 * d);
+                const __m512 v = kv_load16(kv_at(vr, 16 * d, half), half);
                 for (int g = 0; g < gh; g++)
                     acc[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j - j0]), v, acc[g][d]);
             }
@@ -159,29 +175,29 @@ static inline __attribute__((always_inline)) void weigh_values(int gh, const flo
         for (int64_t d = 0; d < D / 16; d++) _mm512_storeu_ps(out + g * D + 16 * d, acc[g][d]);
 }
 
-static inline __attribute__((always_inline)) void attend16(const float *qt, const float *k_cache,
-                                                            const float *v_cache, const int32_t *table,
+static inline __attribute__((always_inline)) void attend16(const float *qt, const void *k_cache,
+                                                            const void *v_cache, const int32_t *table,
                                                             int64_t j0, int64_t j1, int64_t block_size, int64_t row,
                                                             int64_t G, int64_t D, float scale, float *scores,
-                                                            float *out, float *mx, float *sum) {
+                                                            float *out, float *mx, float *sum, int half) {
     const int64_t n = j1 - j0;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j = j0; j < j1; j += 16) {
         const int64_t count = j1 - j < 16 ? j1 - j : 16;
-        const float *kr[16];
+        const void *kr[16];
         for (int64_t i = 0; i < 16; i++) {  // past the range: the range's first key (computed, never stored)
             const int64_t key = i < count ? j + i : j0;
-            kr[i] = k_cache + slot_of(table, key, block_size) * row;
+            kr[i] = kv_at(k_cache, slot_of(table, key, block_size) * row, half);
         }
         prefetch_rows(k_cache, table, j + AHEAD < j1 ? j + AHEAD : j1, j + AHEAD + 16 < j1 ? j + AHEAD + 16 : j1,
-                      block_size, row, D);
+                      block_size, row, D, half);
         const __mmask16 keep = (__mmask16)((1u << count) - 1);
         for (int64_t g = 0; g < G; g++) {
             __m512 v[16];
             for (int i = 0; i < 16; i++) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt + g * D), _mm512_loadu_ps(kr[i]));
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt + g * D), kv_load16(kr[i], half));
                 for (int64_t d = 16; d < D; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + g * D + d), _mm512_loadu_ps(kr[i] + d), acc);
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + g * D + d), kv_load16(kv_at(kr[i], d, half), half), acc);
                 v[i] = acc;
             }
             _mm512_mask_storeu_ps(scores + g * n + j - j0, keep, _mm512_mul_ps(sum16(v), vscale));
@@ -193,26 +209,35 @@ static inline __attribute__((always_inline)) void attend16(const float *qt, cons
         const float *p = scores + g0 * n;
         float *o = out + g0 * D;
         switch (gh) {  // a constant count of heads, so their sums stay in registers
-            case 1: weigh_values(1, v_cache, table, j0, j1, block_size, row, D, p, n, o); break;
-            case 2: weigh_values(2, v_cache, table, j0, j1, block_size, row, D, p, n, o); break;
-            case 3: weigh_values(3, v_cache, table, j0, j1, block_size, row, D, p, n, o); break;
-            default: weigh_values(4, v_cache, table, j0, j1, block_size, row, D, p, n, o); break;
+            case 1: weigh_values(1, v_cache, table, j0, j1, block_size, row, D, p, n, o, half); break;
+            case 2: weigh_values(2, v_cache, table, j0, j1, block_size, row, D, p, n, o, half); break;
+            case 3: weigh_values(3, v_cache, table, j0, j1, block_size, row, D, p, n, o, half); break;
+            default: weigh_values(4, v_cache, table, j0, j1, block_size, row, D, p, n, o, half); break;
         }
     }
 }
 #endif
 
-static inline void attend_any_d(const float *qt, const float *kc, const float *vc, const int32_t *table, int64_t j0,
-                                int64_t j1, int64_t block_size, int64_t row, int64_t G, int64_t D, float scale,
-                                float *scores, float *out, float *mx, float *sum) {
+static inline __attribute__((always_inline)) void attend_d(const float *qt, const void *kc, const void *vc,
+                                                            const int32_t *table, int64_t j0, int64_t j1,
+                                                            int64_t block_size, int64_t row, int64_t G, int64_t D,
+                                                            float scale, float *scores, float *out, float *mx,
+                                                            float *sum, int half) {
 #if defined(__AVX512F__)
-    if (D == 64) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum);
-    if (D == 128) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum);
-    if (D % 16 == 0) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum);
+    if (D == 64) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum, half);
+    if (D == 128) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum, half);
+    if (D % 16 == 0) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, half);
 #endif
-    if (D == 64) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum);
-    else if (D == 128) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum);
-    else attend(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum);
+    if (D == 64) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum, half);
+    else if (D == 128) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum, half);
+    else attend(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, half);
+}
+
+static void attend_any_d(const float *qt, const void *kc, const void *vc, const int32_t *table, int64_t j0, int64_t j1,
+                         int64_t block_size, int64_t row, int64_t G, int64_t D, float scale, float *scores, float *out,
+                         float *mx, float *sum, int half) {
+    if (half) attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, 1);
+    else attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, 0);
 }
 
 #if defined(__AVX512F__)
@@ -234,11 +259,11 @@ static inline __m512 exp512(__m512 x) {
 
 // Tokens t0 .. t0 + n - 1 (positions p0 .. p0 + n - 1 of one sequence, n * G <= 16), KV head kvh. ``work``:
 // (2 KEYS + 2 LANES) * D floats of this thread's scratch: the tile's keys and values, q^T and o.
-static inline __attribute__((always_inline)) void flash_run(const float *q, int64_t q_stride, const float *k_cache,
-                                                             const float *v_cache, const int32_t *table, int64_t t0,
+static inline __attribute__((always_inline)) void flash_run(const float *q, int64_t q_stride, const void *k_cache,
+                                                             const void *v_cache, const int32_t *table, int64_t t0,
                                                              int64_t n, int64_t p0, int64_t kvh, int64_t G, int64_t H,
                                                              int64_t D, int64_t block_size, int64_t row, float scale,
-                                                             float *work, float *out) {
+                                                             float *work, float *out, int half) {
     float *kt = work, *vt = kt + KEYS * D, *qt = vt + KEYS * D, *o = qt + LANES * D;
     const int64_t rows = n * G, ctx = p0 + n;
     int32_t pos_of[LANES];
@@ -256,8 +281,8 @@ static inline __attribute__((always_inline)) void flash_run(const float *q, int6
             const int64_t key = j0 + j < ctx ? j0 + j : 0;
             const int64_t at = slot_of(table, key, block_size) * row + kvh * D;
             for (int64_t d = 0; d < D; d += 8) {  // D is a multiple of 8
-                _mm256_storeu_ps(kt + j * D + d, _mm256_loadu_ps(k_cache + at + d));
-                _mm256_storeu_ps(vt + j * D + d, _mm256_loadu_ps(v_cache + at + d));
+                _mm256_storeu_ps(kt + j * D + d, kv_load8(kv_at(k_cache, at + d, half), half));
+                _mm256_storeu_ps(vt + j * D + d, kv_load8(kv_at(v_cache, at + d, half), half));
             }
         }
         __m512 s[KEYS];
@@ -296,30 +321,38 @@ static inline __attribute__((always_inline)) void flash_run(const float *q, int6
     }
 }
 
-static void flash_run_any_d(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+static void flash_run_any_d(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int32_t *table, int64_t t0, int64_t n, int64_t p0, int64_t kvh, int64_t G,
                             int64_t H, int64_t D, int64_t block_size, int64_t row, float scale, float *work,
-                            float *out) {
-#define FLASH(DD) flash_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, scale, work, out)
-    if (D == 64) FLASH(64);
-    else if (D == 128) FLASH(128);
-    else FLASH(D);
+                            float *out, int half) {
+#define FLASH(DD, HALF) flash_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, \
+                                  scale, work, out, HALF)
+    if (half) {
+        if (D == 64) FLASH(64, 1);
+        else if (D == 128) FLASH(128, 1);
+        else FLASH(D, 1);
+    } else {
+        if (D == 64) FLASH(64, 0);
+        else if (D == 128) FLASH(128, 0);
+        else FLASH(D, 0);
+    }
 #undef FLASH
 }
 #endif
 
 // q: (T, H, D) with rows q_stride floats apart; out: (T, H, D) contiguous; k_cache, v_cache:
-// (num_blocks, block_size, Hkv, D); block_tables: (B, max_blocks) int32; q_seq, q_pos: (T,) int32;
-// q_prompt: (T,) uint8, 1 for a token of its sequence's prompt (or NULL: none is). D must be a multiple of 8,
-// at most 256. Returns 0, or -1 on bad shapes (or no memory).
-int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+// (num_blocks, block_size, Hkv, D), fp32 or with ``kv_half`` fp16; block_tables: (B, max_blocks) int32; q_seq,
+// q_pos: (T,) int32; q_prompt: (T,) uint8, 1 for a token of its sequence's prompt (or NULL: none is). D must be a
+// multiple of 8, at most 256. Returns 0, or -1 on bad shapes (or no memory).
+int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
-                    const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out) {
+                    const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                    float *out, int kv_half) {
     if (D % 8 != 0 || D > MAX_D || Hkv <= 0 || H % Hkv != 0) return -1;
     const int64_t G = H / Hkv, items = T * Hkv;
     int64_t max_ctx = 0;
     for (int64_t t = 0; t < T; t++) max_ctx = q_pos[t] + 1 > max_ctx ? q_pos[t] + 1 : max_ctx;
-    const int64_t row = Hkv * D;  // floats per cache slot
+    const int64_t row = Hkv * D;  // values per cache slot
     // key ranges per item: enough items for every thread to get two, ranges of at least MIN_SPLIT_KEYS
     const int64_t threads = omp_get_max_threads();
     int64_t splits = items < 2 * threads ? (2 * threads + items - 1) / items : 1;
@@ -369,7 +402,8 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
             for (int64_t item = 0; item < runs * Hkv; item++) {
                 const int64_t t0 = run_start[item / Hkv], kvh = item % Hkv;
                 flash_run_any_d(q, q_stride, k_cache, v_cache, block_tables + (int64_t)q_seq[t0] * max_blocks, t0,
-                                run_len[item / Hkv], q_pos[t0], kvh, G, H, D, block_size, row, scale, work, out);
+                                run_len[item / Hkv], q_pos[t0], kvh, G, H, D, block_size, row, scale, work, out,
+                                kv_half);
             }
             free(work);
         }
@@ -381,10 +415,10 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
             if (flash && q_prompt[t]) continue;
             const int32_t *table = block_tables + (int64_t)q_seq[t] * max_blocks;
             const float *qt = q + t * q_stride + kvh * G * D;
-            const float *kc = k_cache + kvh * D, *vc = v_cache + kvh * D;
+            const void *kc = kv_at(k_cache, kvh * D, kv_half), *vc = kv_at(v_cache, kvh * D, kv_half);
             if (splits == 1) {
                 float *ot = out + (t * H + kvh * G) * D;
-                attend_any_d(qt, kc, vc, table, 0, ctx, block_size, row, G, D, scale, scores, ot, mx, sum);
+                attend_any_d(qt, kc, vc, table, 0, ctx, block_size, row, G, D, scale, scores, ot, mx, sum, kv_half);
                 for (int64_t g = 0; g < G; g++) {
                     const __m256 inv = _mm256_set1_ps(1.0f / sum[g]);
                     for (int64_t d = 0; d < D; d += 8)
@@ -400,7 +434,7 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
                 for (int64_t g = 0; g < G; g++) pm[g] = -INFINITY, ps[g] = 0.0f;
                 continue;
             }
-            attend_any_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, po, pm, ps);
+            attend_any_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, po, pm, ps, kv_half);
         }
         free(scores);
         if (splits > 1) {
@@ -434,9 +468,10 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
 
 // Rotary embedding (halves layout, as in HF weights) on the q and k heads of each row of qkv, in
 // place, then k and v copied into their cache slots. qkv: (T, (H + 2 Hkv) * D); cos, sin: (P, D)
-// tables indexed by position. Same arithmetic as x * cos + rotate_half(x) * sin.
+// tables indexed by position. Same arithmetic as x * cos + rotate_half(x) * sin. With ``kv_half`` the caches
+// are fp16: each value rounded to nearest (Hkv * D a multiple of 8).
 void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const int32_t *pos, const float *cos,
-                const float *sin, const int64_t *slots, float *k_cache, float *v_cache) {
+                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv_half) {
     const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -450,7 +485,16 @@ void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const 
                 x[i + half] = x2 * c[i + half] + x1 * s[i + half];
             }
         }
-        memcpy(k_cache + slots[t] * Hkv * D, row + H * D, Hkv * D * sizeof(float));
-        memcpy(v_cache + slots[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
+        const int64_t n = Hkv * D;
+        if (!kv_half) {
+            memcpy((float *)k_cache + slots[t] * n, row + H * D, n * sizeof(float));
+            memcpy((float *)v_cache + slots[t] * n, row + (H + Hkv) * D, n * sizeof(float));
+            continue;
+        }
+        uint16_t *k = (uint16_t *)k_cache + slots[t] * n, *v = (uint16_t *)v_cache + slots[t] * n;
+        for (int64_t i = 0; i < n; i += 8) {
+            _mm_storeu_si128((__m128i *)(k + i), _mm256_cvtps_ph(_mm256_loadu_ps(row + H * D + i), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(v + i), _mm256_cvtps_ph(_mm256_loadu_ps(row + (H + Hkv) * D + i), _MM_FROUND_TO_NEAREST_INT));
+        }
     }
 }

@@ -16,11 +16,12 @@ int qgemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int6
 int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes,
               void *work);
 int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads);
-int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
-                    const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, float *out);
+                    const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                    float *out, int kv_half);
 void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const int32_t *pos, const float *cos,
-                const float *sin, const int64_t *slots, float *k_cache, float *v_cache);
+                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv_half);
 void add_rms_norm(float *x, const float *add, const float *w, int64_t rows, int64_t n, float eps, float *out);
 void silu_mul(const float *gu, int64_t rows, int64_t n, float *out);
 
@@ -35,7 +36,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;  // (hidden,)
     QLinear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  // (num_blocks, block_size, Hkv, D)
+    void *k_cache, *v_cache;  // (num_blocks, block_size, Hkv, D), fp32 or fp16 (Dims.kv_half)
 } Layer;
 
 typedef struct {
@@ -43,6 +44,7 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin;  // (positions, head_dim) RoPE tables
     const float *final_norm;
+    int32_t kv_half;  // the KV cache holds fp16 values (else fp32)
 } Dims;
 
 static int linear(const QLinear *l, const float *x, int64_t rows, float *y, void *work) {
@@ -86,9 +88,10 @@ int decoder_forward(const Layer *layers, int64_t num_layers, const Dims *d, floa
         const Layer *l = &layers[i];
         add_rms_norm(x, i == 0 ? NULL : h, l->input_norm, T, d->hidden, d->eps, normed);
         if (linear(&l->qkv, normed, T, qkv, work)) return -1;
-        rope_store(qkv, T, d->heads, d->kv_heads, d->head_dim, q_pos, d->cos, d->sin, slots, l->k_cache, l->v_cache);
+        rope_store(qkv, T, d->heads, d->kv_heads, d->head_dim, q_pos, d->cos, d->sin, slots, l->k_cache, l->v_cache,
+                   d->kv_half);
         if (paged_attention(qkv, qkv_width, l->k_cache, l->v_cache, block_tables, max_blocks, q_seq, q_pos, q_prompt,
-                            T, d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn))
+                            T, d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn, d->kv_half))
             return -1;
         if (linear(&l->o, attn, T, h, work)) return -1;
         add_rms_norm(x, h, l->post_norm, T, d->hidden, d->eps, normed);
