@@ -334,6 +334,83 @@ static void amx_rows_any(int type, int passes, const uint8_t *bw, const uint8_t 
 #undef ARGS
 }
 
+// bf16 weights with AMX (tdpbf16ps: 16 x 16 fp32 sums of 32 products each). Unlike integer sums, these are not
+// the bits of vdpbf16ps (the tile unit adds a tile's products in its own order: 16 % of sums of 32 differ from
+// either pairwise order on a Sapphire Rapids), so every row count takes the tiles here, one row alone too: a row
+// of y still does not depend on its batch. No block scales: a tile of sums stays in its register over all of K,
+// and is stored once. x's rows come in tiles of 16 (rows past M zero); two tiles of x and two groups of W an
+// item (4 sums, each tile loaded once for two products).
+static void amx_bf16_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;  // 0-3 C, 4-5 A (x), 6-7 B (W)
+    _tile_loadconfig(&c);
+}
+
+// C tiles (MT rows of tiles of x x NT groups of W) over all of K: x's tiles at xb (rows passes * K values apart),
+// the groups' tiles at w0, w1; stored to c (tile 2i + j at c + 256 (2i + j)).
+static inline __attribute__((always_inline)) void amx_bf16_tiles(int mt, int nt, int passes, const uint16_t *xb,
+                                                                   int64_t K, const uint8_t *w0, const uint8_t *w1,
+                                                                   float *c) {
+    const int64_t stride = passes * K * 2;
+    _tile_zero(0);
+    if (nt == 2) _tile_zero(1);
+    if (mt == 2) _tile_zero(2);
+    if (mt == 2 && nt == 2) _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {  // 16 pairs of inputs: a B tile's 16 rows of 64 B
+        _tile_loadd(6, w0 + k * 32, 64);
+        if (nt == 2) _tile_loadd(7, w1 + k * 32, 64);
+        for (int p = 0; p < passes; p++) {
+            _tile_loadd(4, xb + p * K + k, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nt == 2) _tile_dpbf16ps(1, 4, 7);
+            if (mt == 2) {
+                _tile_loadd(5, xb + AMX_ROWS * passes * K + p * K + k, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                if (nt == 2) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    }
+    _tile_stored(0, c, 64);
+    if (nt == 2) _tile_stored(1, c + 256, 64);
+    if (mt == 2) _tile_stored(2, c + 512, 64);
+    if (mt == 2 && nt == 2) _tile_stored(3, c + 768, 64);
+}
+
+// y (M, N) = x @ W^T for bf16 W in tiles; xb: x as bf16 passes (bf16_rows), its rows allocated up to a multiple
+// of 16 (zeroed here).
+static void amx_bf16_gemm(int passes, uint16_t *xb, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y) {
+    const int64_t groups = (N + TILE - 1) / TILE, group_bytes = TILE * K * 2, padded = (M + 15) / 16 * 16;
+    memset(xb + M * passes * K, 0, (padded - M) * passes * K * sizeof(uint16_t));
+    const int64_t pairs = (groups + 1) / 2, row_tiles = padded / AMX_ROWS;
+#pragma omp parallel
+    {
+        amx_bf16_configure();
+        float c[4 * 256] __attribute__((aligned(64)));
+#pragma omp for schedule(guided)
+        for (int64_t item = 0; item < pairs * ((row_tiles + 1) / 2); item++) {
+            const int64_t g = item % pairs * 2, r = item / pairs * 2;  // groups g, g + 1; row tiles r, r + 1
+            const int nt = g + 1 < groups ? 2 : 1, mt = r + 1 < row_tiles ? 2 : 1;
+            const uint8_t *w0 = w + g * group_bytes, *w1 = w0 + group_bytes;
+            const uint16_t *x0 = xb + r * AMX_ROWS * passes * K;
+            if (mt == 2 && nt == 2) amx_bf16_tiles(2, 2, passes, x0, K, w0, w1, c);
+            else if (mt == 2) amx_bf16_tiles(2, 1, passes, x0, K, w0, w1, c);
+            else if (nt == 2) amx_bf16_tiles(1, 2, passes, x0, K, w0, w1, c);
+            else amx_bf16_tiles(1, 1, passes, x0, K, w0, w1, c);
+            for (int i = 0; i < mt; i++)
+                for (int j = 0; j < nt; j++) {
+                    const int64_t n0 = (g + j) * TILE, cols = N - n0 < TILE ? N - n0 : TILE;
+                    for (int64_t row = 0; row < AMX_ROWS; row++) {
+                        const int64_t m = (r + i) * AMX_ROWS + row;
+                        if (m < M) memcpy(y + m * N + n0, c + 256 * (2 * i + j) + 16 * row, cols * sizeof(float));
+                    }
+                }
+        }
+        _tile_release();
+    }
+}
+
 // Bytes of each thread's buffer: a group's B tiles, then the ring of C tiles.
 static int64_t amx_buffer_bytes(int64_t K) { return K / QK * AMX_B_BYTES + AMX_RING * 2 * AMX_C_BYTES; }
 
@@ -517,19 +594,44 @@ static void strip_bf16_any(int mr, int passes, int ns, const uint8_t *const *ws,
 #undef ROWS
 }
 
-// fp32 -> bf16, rounded to nearest even (NaN stays NaN).
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 static inline float from_bf16(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+// 8 floats -> bf16, rounded to nearest even (a NaN stays a NaN, made quiet), each in the high half of its 32-bit
+// lane (the low half zero: the bf16 value as fp32).
+static inline __m256i to_bf16_8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), ones = _mm256_set1_epi32(1);
+    const __m256i up = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), ones));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    return _mm256_and_si256(_mm256_blendv_epi8(up, quiet, nan), _mm256_set1_epi32((int)0xFFFF0000));
+}
+
+// 16 values of the high halves of a and b's lanes, in order, as bf16.
+static inline void store_bf16_16(uint16_t *out, __m256i a, __m256i b) {
+    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));  // per 128 bits
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+// x (M, K) -> (M, passes, K) bf16: each value rounded, and with two passes what the first left, rounded (K is a
+// multiple of 32).
+static void bf16_rows(const float *x, int64_t M, int64_t K, int passes, uint16_t *xb) {
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m256 v0 = _mm256_loadu_ps(x + m * K + k), v1 = _mm256_loadu_ps(x + m * K + k + 8);
+            const __m256i h0 = to_bf16_8(v0), h1 = to_bf16_8(v1);
+            store_bf16_16(xb + m * passes * K + k, h0, h1);
+            if (passes == 2)
+                store_bf16_16(xb + m * passes * K + K + k, to_bf16_8(_mm256_sub_ps(v0, _mm256_castsi256_ps(h0))),
+                              to_bf16_8(_mm256_sub_ps(v1, _mm256_castsi256_ps(h1))));
+        }
 }
 
 // ---------------------------------------------------------------- entry points
@@ -557,11 +659,14 @@ static int64_t thread_bytes(int64_t K) {
 #endif
 }
 
+// Rows of x's passes tile_gemm keeps: with AMX up to a whole tile of 16 (bf16 weights load them 16 at a time).
+static inline int64_t pass_rows(int64_t M) { return ISA_AMX ? (M + 15) / 16 * 16 : M; }
+
 // Bytes of work memory tile_gemm needs for M rows of K on ``threads`` threads (with AMX, the scaling's terms per
 // row and block too).
 int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads) {
     const int64_t nb = K / QK;
-    return round64(passes * M * K * 2) + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))) +
+    return round64(passes * pass_rows(M) * K * 2) + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))) +
            (int64_t)threads * thread_bytes(K) + (ISA_AMX ? round64(M * nb * 4) : 0) + 64;
 }
 
@@ -579,19 +684,18 @@ int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
     const int64_t nb = K / QK, groups = (N + TILE - 1) / TILE, row_bytes = nb * block_bytes(type);
     const int dense = type == TYPE_BF16, dots = dense || M <= tile_int8_max_rows(passes);
     int8_t *xq = work;  // (M, passes, K) int8, or (M, passes, K) bf16
-    float *xd = (float *)((uint8_t *)work + round64(passes * M * K * 2));
+    float *xd = (float *)((uint8_t *)work + round64(passes * pass_rows(M) * K * 2));
     int32_t *xsum = (int32_t *)(xd + M * nb);
     float *expanded = (float *)((uint8_t *)xd + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))));
     if (dense) {
-        uint16_t *xb = (uint16_t *)xq;
-#pragma omp parallel for schedule(static) if (M * K > 65536)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) {
-                const float v = x[m * K + k];
-                const uint16_t hi = to_bf16(v);
-                xb[m * passes * K + k] = hi;
-                if (passes == 2) xb[m * passes * K + K + k] = to_bf16(v - from_bf16(hi));
-            }
+        bf16_rows(x, M, K, passes, (uint16_t *)xq);
+#if ISA_AMX
+        if (tile_amx_ready()) {
+            amx_bf16_gemm(passes, (uint16_t *)xq, M, K, w, N, y);
+            free(owned);
+            return 0;
+        }
+#endif
     } else if (dots) {
         quantize_rows(x, M, K, passes, xq, xd, xsum);
     }
