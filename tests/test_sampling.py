@@ -83,6 +83,16 @@ def test_greedy_takes_the_argmax_and_reports_logprobs():
     assert [lp for _, lp in result.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-6)
 
 
+def test_greedy_takes_the_first_of_tied_largest_logits_in_every_row():
+    """As torch.argmax: ties go to the lowest token id, a row of -inf to token 0, each row on its own."""
+    logits = torch.zeros(3, 50)
+    logits[0, [7, 3, 40]] = 2.0
+    logits[1] = float("-inf")
+    logits[2, [49, 12]] = 5.0
+    rows = [SampleRow(SamplingParams(temperature=0.0), [], []) for _ in range(3)]
+    assert [r.token_id for r in sample(logits, rows)] == [3, 0, 12]
+
+
 # ---------------------------------------------------------------- penalties: exact values
 
 LOGITS = [2.0, -1.0, 0.5, 3.0, -2.0, 1.0]
