@@ -14,8 +14,9 @@ The shared library is compiled with the system C compiler into the Conveyor cach
 the source's hash and the instruction set), then loaded with ``ctypes``; compiling takes a few seconds, once
 per machine. There is one library per instruction set (``ISAS``): AVX2 (every x86-64 CPU the kernels run
 on), AVX512 with VNNI (Ice Lake, Zen 4 and later: ``vpdpbusd``), that with BF16 too (Cooper Lake,
-Sapphire Rapids, Zen 4: ``vdpbf16ps``) and that with AMX tiles (Sapphire Rapids and later: quantized weights
-multiplied 16 rows of x at a time, the same bits); ``use_isa`` picks one, by default the best this CPU has.
+Sapphire Rapids, Zen 4: ``vdpbf16ps``) and that with AMX tiles (Sapphire Rapids and later, AMX-INT8 and
+AMX-BF16: quantized weights multiplied 16 rows of x at a time with the other sets' bits, bf16 weights in tiles at
+every row count); ``use_isa`` picks one, by default the best this CPU has.
 ``available()`` says whether the kernels can be used here and, when not, why (no compiler, no AVX2, ...).
 """
 
@@ -57,8 +58,9 @@ ISAS = {
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
     "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"},
                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"]),
-    "amx": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"},
-            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"]),
+    "amx": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"},
+            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8",
+             "-mamx-bf16"]),
 }
 _chosen = {"isa": "auto"}
 

@@ -91,8 +91,9 @@ typedef __m256 vf;
 #endif
 
 // AMX (Sapphire Rapids and later): tile registers of up to 16 rows x 64 bytes and one instruction multiplying
-// two of them into a third (tdpbsud: 16 x 16 int32 sums of 64 products each); tiles.c uses it from a few rows of x.
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && ISA_VNNI
+// two of them into a third (tdpbsud: 16 x 16 int32 sums of 64 products each; tdpbf16ps: fp32 sums of 32 bf16
+// products each); tiles.c uses them for 16 rows of x at a time.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && ISA_VNNI
 #define ISA_AMX 1
 #else
 #define ISA_AMX 0
