@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from conveyor.prefix import chain, root_key, scoped
@@ -222,17 +223,22 @@ class Route:
 class Router:
     """Picks an engine for a new request: the one that last took the longest prefix of its prompt (its
     prefix cache likely holds it), unless that engine is overloaded next to the least loaded one; else
-    the least loaded. Loads come from the engines' heartbeats plus what this router sent since."""
+    the least loaded. Loads come from the engines' heartbeats plus what this router sent in the last
+    ``recent`` seconds: a heartbeat read is up to a heartbeat period plus ``refresh`` old, and a burst of
+    requests counted only since the last read (as it was) could all follow one prefix to one engine whose
+    heartbeat had not shown them yet (a sent request may be counted twice for a while: it balances a little
+    more, never less)."""
 
-    def __init__(self, registry: Registry, refresh: float = 0.25, imbalance: float = 2.0, slack: int = 8):
+    def __init__(self, registry: Registry, refresh: float = 0.25, imbalance: float = 2.0, slack: int = 8,
+                 recent: float = 1.0):
         """Prefix affinity holds while the matched engine's load <= ``imbalance`` x the least loaded's + ``slack``."""
         self.registry = registry
         self.drive = registry.drive
         self.refresh = refresh
-        self.imbalance, self.slack = imbalance, slack
+        self.imbalance, self.slack, self.recent = imbalance, slack, recent
         self._read: list[EngineInfo] | None = None  # the registry's read the loads below follow
         self._gone: set[str] = set()  # engines that did not answer since that read
-        self._sent: dict[str, int] = {}  # requests routed to each engine since that read
+        self._sent: deque[tuple[float, str]] = deque()  # (when, engine) of the requests routed, oldest first
         self.block_size = 16  # the live engines' KV block size (the smallest, should they differ)
 
     @op
@@ -240,7 +246,7 @@ class Router:
         """Live, serving engines (re-read from Redis at most every ``refresh`` seconds)."""
         read = yield from self.registry.live.steps(self.registry, self.refresh)
         if read is not self._read:
-            self._read, self._gone, self._sent = read, set(), {}
+            self._read, self._gone = read, set()
             self.block_size = min((e.block_size for e in read), default=self.block_size)
         return [e for e in read if e.serving and e.name not in self._gone]
 
@@ -255,7 +261,11 @@ class Router:
         engines = [e for e in (yield from self.engines.steps(self)) if e.name != exclude]
         if not engines:
             return None
-        load = {e.name: e.load + self._sent.get(e.name, 0) for e in engines}
+        now = time.monotonic()
+        while self._sent and self._sent[0][0] < now - self.recent:
+            self._sent.popleft()
+        sent = Counter(name for _, name in self._sent)
+        load = {e.name: e.load + sent[e.name] for e in engines}
         least = min(engines, key=lambda e: (load[e.name], random.random()))
         keys = route_keys(prompt_ids, self.block_size, model, scope) if len(engines) > 1 else []
         route = Route(least, "balance" if len(engines) > 1 else "only")
@@ -269,7 +279,7 @@ class Router:
                     if load[matched.name] <= self.imbalance * load[least.name] + self.slack:
                         route = Route(matched, "prefix", i + 1)
                     break
-        self._sent[route.engine.name] = self._sent.get(route.engine.name, 0) + 1
+        self._sent.append((now, route.engine.name))
         return route
 
     @op

@@ -92,6 +92,25 @@ def test_the_router_keeps_a_prefix_on_its_engine_and_balances_the_rest(registry)
     assert routed(system + [4, 5, 6]).engine.name == moved.engine.name  # the prefix followed it there
 
 
+def test_a_burst_sharing_a_prefix_spreads_while_the_heartbeats_do_not_show_it_yet(registry):
+    """32 chats with one system prompt, routed while both engines' heartbeats still say idle and the registry is
+    read again before every one: what the router sent recently counts toward each engine's load, so the prefix
+    holds only up to the imbalance bound and the burst lands on both engines (counting only since the last
+    read, every request followed the prefix to the first engine)."""
+    for name in ("a", "b"):
+        registry.heartbeat(EngineInfo(name, name), ttl=30)
+    router = Router(registry, refresh=0.0)
+    system = list(range(100, 164))
+    engines = []
+    for i in range(32):
+        route = router.choose(system + [1000 + i])
+        router.remember(system + [1000 + i], route.engine.name)
+        engines.append(route.engine.name)
+    counts = sorted(engines.count(name) for name in ("a", "b"))
+    assert counts[0] >= 8, counts  # at most 2 x the other's + 8 on the prefix's engine
+    assert counts[1] > counts[0]  # and the prefix still keeps most of them together
+
+
 def test_a_request_writes_a_bounded_number_of_route_keys_and_only_once_accepted(registry):
     for name in ("a", "b"):
         registry.heartbeat(EngineInfo(name, name), ttl=30)
