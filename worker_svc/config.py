@@ -65,10 +65,10 @@ class WorkerConfig:
     max_graph_batch: int = setting(256, "largest decode batch replayed from a CUDA graph (bigger ones run eager)")
     threads: int = setting(0, "CPU threads the model computes with (0: PyTorch's default, one per core it may use)")
     small_step_threads: int = setting(
-        -1, "CPU threads for a step of a single token (one stream decoding): -1 leaves one core to the scheduler, "
-        "detokenizer and frontend, which work between every two tokens and would otherwise preempt a model thread "
-        "mid-step while the others wait for it, when the weights are quantized (dense ones, a bf16 folder as "
-        "stored, read 2 bytes a weight a token and take every thread); 0: as many as --threads")
+        0, "CPU threads for a step of a single token (one stream decoding): 0 as many as --threads; -1 leaves one "
+        "core to the scheduler, detokenizer and frontend, which work between every two tokens and otherwise preempt "
+        "a model thread mid-step while the others wait for it, when the weights are quantized (dense ones, a bf16 "
+        "folder as stored, read 2 bytes a weight a token and take every thread); n: that many")
     spec_min_ngram: int = setting(3, "speculation: the shortest run of last tokens a draft is looked up by (what "
                                      "followed it earlier in the sequence is the draft)")
     spec_max_ngram: int = setting(5, "speculation: the longest run of last tokens a draft is looked up by (the "
