@@ -38,6 +38,9 @@
 
 enum { TILE = 16, MR = ISA_VNNI ? 8 : 4, STRIPS = TILE / W };
 
+// Rows of x's passes tile_gemm keeps: with AMX up to a whole tile of 16 (bf16 weights load them 16 at a time).
+static inline int64_t pass_rows(int64_t M) { return ISA_AMX ? (M + 15) / 16 * 16 : M; }
+
 static inline int64_t tile_quant_bytes(int type) { return (int64_t)TILE * quant_bytes(type); }  // per block
 
 // ---------------------------------------------------------------- quantized weights
@@ -381,7 +384,7 @@ static inline __attribute__((always_inline)) void amx_bf16_tiles(int mt, int nt,
 // y (M, N) = x @ W^T for bf16 W in tiles; xb: x as bf16 passes (bf16_rows), its rows allocated up to a multiple
 // of 16 (zeroed here).
 static void amx_bf16_gemm(int passes, uint16_t *xb, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y) {
-    const int64_t groups = (N + TILE - 1) / TILE, group_bytes = TILE * K * 2, padded = (M + 15) / 16 * 16;
+    const int64_t groups = (N + TILE - 1) / TILE, group_bytes = TILE * K * 2, padded = pass_rows(M);
     memset(xb + M * passes * K, 0, (padded - M) * passes * K * sizeof(uint16_t));
     const int64_t pairs = (groups + 1) / 2, row_tiles = padded / AMX_ROWS;
 #pragma omp parallel
@@ -658,9 +661,6 @@ static int64_t thread_bytes(int64_t K) {
     return expanded;
 #endif
 }
-
-// Rows of x's passes tile_gemm keeps: with AMX up to a whole tile of 16 (bf16 weights load them 16 at a time).
-static inline int64_t pass_rows(int64_t M) { return ISA_AMX ? (M + 15) / 16 * 16 : M; }
 
 // Bytes of work memory tile_gemm needs for M rows of K on ``threads`` threads (with AMX, the scaling's terms per
 // row and block too).
