@@ -297,7 +297,9 @@ def test_model_threads_spin_through_a_steps_barriers(stub, worker_process, defau
 
 def test_the_kv_cache_holds_fp16_under_the_fast_numerics_and_fp32_under_exact(default_model):
     """--kv-cache-dtype auto: fp16 K and V on the CPU kernels under fast (half the bytes a decode reads), the
-    compute dtype under exact (its parity with transformers) and on the PyTorch backends."""
+    compute dtype under exact (its parity with transformers) and on the PyTorch backends. A served worker under
+    fast holds twice the blocks in the same budget and gives the in-process tokens (the module's worker, exact,
+    holds fp32: test_info_describes_model_and_cache)."""
     fast = load_model("default", numerics="fast")
     assert fast.kv_dtype() == torch.float16 and fast.kv_dtype("float32") == torch.float32
     assert default_model.numerics == "exact" and default_model.kv_dtype() == torch.float32
@@ -305,6 +307,19 @@ def test_the_kv_cache_holds_fp16_under_the_fast_numerics_and_fp32_under_exact(de
     cache = make_runner(fast, num_blocks=4).cache
     assert cache.k[0].dtype == torch.float16
     assert bytes_per_block(fast.config, 16, torch.float16) * 2 == bytes_per_block(fast.config, 16, torch.float32)
+    port = free_port()
+    proc = spawn("serve", "worker", "--port", str(port), "--kv-cache-bytes", "64M", "--numerics", "fast")
+    try:
+        wait_serving(f"127.0.0.1:{port}", "conveyor.v1.Worker", proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            served = worker_pb2_grpc.WorkerStub(channel)
+            info = served.Info(pb.InfoRequest())
+            assert info.block_bytes == 2 * 30 * 16 * 3 * 64 * 2 and info.num_blocks == KV_BYTES // info.block_bytes
+            prompt = fast.tokenizer.encode("The capital of Spain is")
+            assert _generate(served, "f", prompt, range(4), 8, SamplingOptions(temperature=0.0)) == _reference(
+                fast, prompt, 8, SamplingParams(temperature=0.0))
+    finally:
+        stop(proc)
 
 
 def test_the_gpu_kv_budget_follows_vllms_memory_utilization():
