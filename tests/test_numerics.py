@@ -16,6 +16,7 @@ from helpers import ROOT, hf_logits, make_runner, needs_kernels
 
 from conveyor.params import SamplingParams
 from worker_svc import cpu_kernels
+from worker_svc.config import WIDE
 from worker_svc.loader import load_model
 from worker_svc.packed import PackedLinear
 from worker_svc.runner import SeqChunk, StepInput
@@ -114,6 +115,21 @@ def test_the_int8_numerics_take_x_in_one_pass_at_the_accuracy_the_readme_gives(h
     print(f"int8 numerics ({cpu_kernels.isa()}): top-1 agreement with transformers {agreement:.4f} over {len(text)}")
     assert len(text) <= cpu_kernels.int8_max_rows(1)  # one prefill of every position: integer dots, any CPU
     assert 0.9 <= agreement < 0.99  # README: 96 % (fast: 99.9 %)
+
+
+def test_the_bf16_numerics_widen_quantized_weights_from_16_rows_at_the_accuracy_the_readme_gives(fast_model, hf_model):
+    """--numerics bf16: a prefill (every position in one step) multiplies the GGUF's weights rounded to bf16 in
+    AMX tiles where the CPU has them, a step below fast; without AMX it is fast."""
+    loaded = load_model("default", numerics="bf16")
+    assert {m.passes for m in loaded.model.modules() if isinstance(m, PackedLinear)} == {2 | WIDE}
+    texts = [loaded.tokenizer.encode((ROOT / name).read_text())[:POSITIONS] for name in TEXTS[:2]]
+    agreement, fast = _prefill_agreement(loaded, hf_model, texts), _prefill_agreement(fast_model, hf_model, texts)
+    print(f"bf16 numerics ({cpu_kernels.isa()}): top-1 agreement with transformers {agreement:.4f} over "
+          f"{sum(map(len, texts))} prefilled (fast {fast:.4f})")
+    if cpu_kernels.isa() == "amx":
+        assert 0.95 <= agreement < fast  # README: 98 %
+    else:
+        assert agreement == fast
 
 
 # ---------------------------------------------------------------- a Hugging Face folder: as stored, or --quantize

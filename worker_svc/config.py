@@ -11,8 +11,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "native", "flex", "sdpa")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512bf16", "amx")  # worker_svc.cpu_kernels.ISAS
-# --numerics: the int8 passes per block of 32 that x is quantized in for a quantized weight (0: the exact product)
-NUMERICS = {"exact": 0, "fast": 2, "int8": 1}
+# --numerics: the int8 passes per block of 32 that x is quantized in for a quantized weight (0: the exact product),
+# plus WIDE: from 16 rows of x, quantized weights widened to bf16 and multiplied in AMX-BF16 tiles (tiles.c's
+# TILE_WIDE)
+WIDE = 4
+NUMERICS = {"exact": 0, "fast": 2, "int8": 1, "bf16": 2 | WIDE}
 
 
 @dataclass
@@ -38,11 +41,14 @@ class WorkerConfig:
         "quantized to two int8 passes per block of 32 (log-probabilities within ~2e-3 of exact), and bf16 weights "
         "with bf16 dot products, the activations rounded to bf16, where the CPU has them (AVX512-BF16); int8 = as "
         "fast, the activations in one int8 pass (llama.cpp's Q8 activations: about twice as fast from 8 rows, "
-        "96 %% top-1 agreement with exact where fast has 99.9 %%)",
+        "96 %% top-1 agreement with exact where fast has 99.9 %%); bf16 = as fast below 16 rows of activations, and "
+        "from 16 rows (prefill, large decode batches) quantized weights widened to bf16 and multiplied with the "
+        "activations rounded to bf16 in AMX-BF16 tiles where the CPU has them (2-3x fast's prefill; a row's bits "
+        "then depend on its batch's size)",
         choices=tuple(NUMERICS),
     )
     kv_cache_dtype: str = setting(
-        "auto", "what the KV cache holds: auto = float16 with native attention under the fast and int8 numerics (half "
+        "auto", "what the KV cache holds: auto = float16 with native attention under every numerics but exact (half "
         "the memory a decode's attention reads and twice the tokens in the same budget; K and V rounded to fp16 "
         "once, as llama.cpp's default cache does), else the compute dtype (exact keeps float32); float32 or float16 "
         "to choose (a dtype other than the compute dtype needs native attention)", choices=KV_CACHE_DTYPES)

@@ -20,7 +20,7 @@ CPU_DEFAULT_CAP = 2 << 30
 
 def kv_dtype(setting: str, backend: str, numerics: str, dtype: torch.dtype) -> torch.dtype:
     """The cache's dtype under ``--kv-cache-dtype setting`` for a model computing in ``dtype`` with ``backend``
-    (``backends.choose``'s name). auto: fp16 under the native backend's fast and int8 numerics (half the bytes a
+    (``backends.choose``'s name). auto: fp16 under the native backend's numerics but exact (half the bytes a
     decode's attention reads, and twice the tokens in the same memory; llama.cpp's default too), else ``dtype``
     (exact keeps fp32: its logits match transformers'). The PyTorch backends attend in ``dtype`` only."""
     if setting == "auto":

@@ -37,6 +37,7 @@
 #include "xquant.h"
 
 enum { TILE = 16, MR = ISA_VNNI ? 8 : 4, STRIPS = TILE / W };
+enum { TILE_WIDE = 4 };  // added to tile_gemm's passes: the bf16 numerics (see "widened to bf16" below)
 
 // Rows of x's passes tile_gemm keeps: with AMX up to a whole tile of 16 (bf16 weights load them 16 at a time).
 static inline int64_t pass_rows(int64_t M) { return ISA_AMX ? (M + 15) / 16 * 16 : M; }
@@ -352,10 +353,10 @@ static void amx_bf16_configure(void) {
 }
 
 // C tiles (MT rows of tiles of x x NT groups of W) over all of K: x's tiles at xb (rows passes * K values apart),
-// the groups' tiles at w0, w1; stored to c (tile 2i + j at c + 256 (2i + j)).
+// the groups' tiles at w0, w1; tile 2i + j stored to c[2i + j], rows ldc[2i + j] floats apart.
 static inline __attribute__((always_inline)) void amx_bf16_tiles(int mt, int nt, int passes, const uint16_t *xb,
                                                                    int64_t K, const uint8_t *w0, const uint8_t *w1,
-                                                                   float *c) {
+                                                                   float *const c[4], const int64_t ldc[4]) {
     const int64_t stride = passes * K * 2;
     _tile_zero(0);
     if (nt == 2) _tile_zero(1);
@@ -375,10 +376,42 @@ static inline __attribute__((always_inline)) void amx_bf16_tiles(int mt, int nt,
             }
         }
     }
-    _tile_stored(0, c, 64);
-    if (nt == 2) _tile_stored(1, c + 256, 64);
-    if (mt == 2) _tile_stored(2, c + 512, 64);
-    if (mt == 2 && nt == 2) _tile_stored(3, c + 768, 64);
+    _tile_stored(0, c[0], ldc[0] * 4);
+    if (nt == 2) _tile_stored(1, c[1], ldc[1] * 4);
+    if (mt == 2) _tile_stored(2, c[2], ldc[2] * 4);
+    if (mt == 2 && nt == 2) _tile_stored(3, c[3], ldc[3] * 4);
+}
+
+// One item of the bf16 product: y's row tiles r, r + 1 (of row_tiles) x groups g, g + 1 (of groups) from x's
+// tiles (xb: rows of ``passes`` x K values) and the groups' B tiles at w0, w1. A whole C tile goes straight into
+// y, a partial one through c (4 x 256 floats) and a copy of its valid rows and columns.
+static inline __attribute__((always_inline)) void amx_bf16_item(int passes, const uint16_t *xb, int64_t M, int64_t K,
+                                                                  const uint8_t *w0, const uint8_t *w1, int64_t r,
+                                                                  int64_t row_tiles, int64_t g, int64_t groups,
+                                                                  int64_t N, float *y, float *c) {
+    const int nt = g + 1 < groups ? 2 : 1, mt = r + 1 < row_tiles ? 2 : 1;
+    const uint16_t *x0 = xb + r * AMX_ROWS * passes * K;
+    float *to[4];
+    int64_t ld[4];
+    for (int t = 0; t < 4; t++) {
+        const int64_t m0 = (r + t / 2) * AMX_ROWS, n0 = (g + t % 2) * TILE;
+        const int whole = m0 + AMX_ROWS <= M && n0 + TILE <= N;
+        to[t] = whole ? y + m0 * N + n0 : c + 256 * t;
+        ld[t] = whole ? N : TILE;
+    }
+    if (mt == 2 && nt == 2) amx_bf16_tiles(2, 2, passes, x0, K, w0, w1, to, ld);
+    else if (mt == 2) amx_bf16_tiles(2, 1, passes, x0, K, w0, w1, to, ld);
+    else if (nt == 2) amx_bf16_tiles(1, 2, passes, x0, K, w0, w1, to, ld);
+    else amx_bf16_tiles(1, 1, passes, x0, K, w0, w1, to, ld);
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt; j++) {
+            const int64_t n0 = (g + j) * TILE, cols = N - n0 < TILE ? N - n0 : TILE;
+            if (to[2 * i + j] != c + 256 * (2 * i + j)) continue;
+            for (int64_t row = 0; row < AMX_ROWS; row++) {
+                const int64_t m = (r + i) * AMX_ROWS + row;
+                if (m < M) memcpy(y + m * N + n0, c + 256 * (2 * i + j) + 16 * row, cols * sizeof(float));
+            }
+        }
 }
 
 // y (M, N) = x @ W^T for bf16 W in tiles; xb: x as bf16 passes (bf16_rows), its rows allocated up to a multiple
@@ -386,29 +419,18 @@ static inline __attribute__((always_inline)) void amx_bf16_tiles(int mt, int nt,
 static void amx_bf16_gemm(int passes, uint16_t *xb, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y) {
     const int64_t groups = (N + TILE - 1) / TILE, group_bytes = TILE * K * 2, padded = pass_rows(M);
     memset(xb + M * passes * K, 0, (padded - M) * passes * K * sizeof(uint16_t));
-    const int64_t pairs = (groups + 1) / 2, row_tiles = padded / AMX_ROWS;
+    const int64_t pairs = (groups + 1) / 2, row_tiles = padded / AMX_ROWS, rpairs = (row_tiles + 1) / 2;
 #pragma omp parallel
     {
         amx_bf16_configure();
         float c[4 * 256] __attribute__((aligned(64)));
 #pragma omp for schedule(guided)
-        for (int64_t item = 0; item < pairs * ((row_tiles + 1) / 2); item++) {
-            const int64_t g = item % pairs * 2, r = item / pairs * 2;  // groups g, g + 1; row tiles r, r + 1
-            const int nt = g + 1 < groups ? 2 : 1, mt = r + 1 < row_tiles ? 2 : 1;
-            const uint8_t *w0 = w + g * group_bytes, *w1 = w0 + group_bytes;
-            const uint16_t *x0 = xb + r * AMX_ROWS * passes * K;
-            if (mt == 2 && nt == 2) amx_bf16_tiles(2, 2, passes, x0, K, w0, w1, c);
-            else if (mt == 2) amx_bf16_tiles(2, 1, passes, x0, K, w0, w1, c);
-            else if (nt == 2) amx_bf16_tiles(1, 2, passes, x0, K, w0, w1, c);
-            else amx_bf16_tiles(1, 1, passes, x0, K, w0, w1, c);
-            for (int i = 0; i < mt; i++)
-                for (int j = 0; j < nt; j++) {
-                    const int64_t n0 = (g + j) * TILE, cols = N - n0 < TILE ? N - n0 : TILE;
-                    for (int64_t row = 0; row < AMX_ROWS; row++) {
-                        const int64_t m = (r + i) * AMX_ROWS + row;
-                        if (m < M) memcpy(y + m * N + n0, c + 256 * (2 * i + j) + 16 * row, cols * sizeof(float));
-                    }
-                }
+        for (int64_t item = 0; item < pairs * rpairs; item++) {
+            // row tiles r, r + 1 (the faster index: a thread's next item reads the same groups of W, from L1);
+            // groups g, g + 1
+            const int64_t g = item / rpairs * 2, r = item % rpairs * 2;
+            const uint8_t *w0 = w + g * group_bytes;
+            amx_bf16_item(passes, xb, M, K, w0, w0 + group_bytes, r, row_tiles, g, groups, N, y, c);
         }
         _tile_release();
     }
@@ -637,6 +659,79 @@ static void bf16_rows(const float *x, int64_t M, int64_t K, int passes, uint16_t
         }
 }
 
+// ---------------------------------------------------------------- quantized weights widened to bf16 (AMX)
+
+// The bf16 numerics (--numerics bf16) for quantized weights: from 16 rows of x a group's weights are widened to
+// their fp32 values (expand_any: what gguf-py gives), rounded to bf16 and multiplied in AMX-BF16 tiles like
+// bf16 weights, x rounded to bf16 once: no block scales, so a tile of sums stays in its register over all of K
+// (integer tiles must store and scale every block's). Widening a group costs about as much as multiplying it by
+// 16 rows, so a group is widened once per item and every row tile of x meets it. Fewer rows take the integer
+// dots of ``passes`` (a decode reads a quarter of bf16's bytes), so a row's bits depend on its batch's size.
+#if ISA_AMX
+enum { WIDE_ROWS = AMX_ROWS };
+
+// A group's 16 rows of W as bf16 B tiles (the dense layout: K/2 pairs x 16 rows x 2 bf16): each weight's fp32
+// value as the fp32 product expands it (expand_group: what gguf-py gives), rounded to nearest bf16.
+static inline __attribute__((always_inline)) void wide_group(int type, const uint8_t *group, int64_t nb,
+                                                             uint16_t *out) {
+    static const int16_t order_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_loadu_si512(order_idx);  // lane 2n + i: row n's input 2p + i
+    const int64_t qstride = tile_quant_bytes(type);
+    const uint8_t *d = group + nb * qstride, *mins = d + nb * TILE * 2;
+    const uint8_t *q = group;
+    for (int64_t b = 0; b < nb; b++, q += qstride) {
+        const vf scale = vf_half(d + b * TILE * 2);
+        const vf min = type == TYPE_Q4_1 ? vf_half(mins + b * TILE * 2) : vf_zero();
+        for (int j = 0; j < 8; j++) {  // inputs 4j..4j+3 of the block
+            vi u;
+            if (type == TYPE_Q8_0) u = vi_load(q + 64 * j);
+            else u = vi_and(j < 4 ? vi_load(q + 64 * j) : vi_srli16(vi_load(q + 64 * (j & 3)), 4), vi_set1_8(0x0F));
+            vf w[4];
+            expand_group(type, u, scale, min, w);
+            uint16_t *pair = out + (b * QK + 4 * j) * TILE;
+            _mm512_store_si512(pair, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0])));
+            _mm512_store_si512(pair + 32, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2])));
+        }
+    }
+}
+
+static void wide_any(int type, const uint8_t *group, int64_t nb, uint16_t *out) {
+    if (type == TYPE_Q4_0) wide_group(TYPE_Q4_0, group, nb, out);
+    else if (type == TYPE_Q4_1) wide_group(TYPE_Q4_1, group, nb, out);
+    else wide_group(TYPE_Q8_0, group, nb, out);
+}
+
+// Bytes of each thread's buffer: two groups' B tiles.
+static int64_t wide_buffer_bytes(int64_t K) { return 2 * K * TILE * (int64_t)sizeof(uint16_t); }
+
+// y (M, N) = x @ W^T, W quantized in tiles, M >= 16: xb x as one bf16 pass (bf16_rows, rows up to a multiple
+// of 16); each thread's buffer (wide_buffer_bytes) at ``buffers`` + its number x ``stride``. An item is two
+// groups, widened once, against every row tile of x.
+
+static void amx_wide_gemm(int type, uint16_t *xb, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
+                          uint8_t *buffers, int64_t stride) {
+    const int64_t groups = (N + TILE - 1) / TILE, row_bytes = K / QK * block_bytes(type), padded = pass_rows(M);
+    memset(xb + M * K, 0, (padded - M) * K * sizeof(uint16_t));
+    const int64_t pairs = (groups + 1) / 2, row_tiles = padded / AMX_ROWS;
+#pragma omp parallel
+    {
+        amx_bf16_configure();
+        uint16_t *w0 = (uint16_t *)(buffers + omp_get_thread_num() * stride), *w1 = w0 + K * TILE;
+        float c[4 * 256] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic)
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            const int64_t g = pair * 2;
+            wide_any(type, w + g * TILE * row_bytes, K / QK, w0);
+            if (g + 1 < groups) wide_any(type, w + (g + 1) * TILE * row_bytes, K / QK, w1);
+            for (int64_t r = 0; r < row_tiles; r += 2)
+                amx_bf16_item(1, xb, M, K, (const uint8_t *)w0, (const uint8_t *)w1, r, row_tiles, g, groups, N, y, c);
+        }
+        _tile_release();
+    }
+}
+#endif
+
 // ---------------------------------------------------------------- entry points
 
 int tile_supported(int type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_BF16; }
@@ -656,7 +751,9 @@ static inline int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
 static int64_t thread_bytes(int64_t K) {
     const int64_t expanded = round64(K * TILE * (int64_t)sizeof(float));
 #if ISA_AMX
-    return expanded > round64(amx_buffer_bytes(K)) ? expanded : round64(amx_buffer_bytes(K));
+    const int64_t amx = round64(amx_buffer_bytes(K)) > round64(wide_buffer_bytes(K)) ? round64(amx_buffer_bytes(K))
+                                                                                       : round64(wide_buffer_bytes(K));
+    return expanded > amx ? expanded : amx;
 #else
     return expanded;
 #endif
@@ -670,11 +767,16 @@ int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads) {
            (int64_t)threads * thread_bytes(K) + (ISA_AMX ? round64(M * nb * 4) : 0) + 64;
 }
 
-// y (M, N) = x (M, K) @ W^T, W (N, K) in tiles (tile_repack). ``passes``: 1 or 2 (see the top). ``work``:
+// y (M, N) = x (M, K) @ W^T, W (N, K) in tiles (tile_repack). ``passes``: 1 or 2 (see the top), plus TILE_WIDE
+// for the bf16 numerics (quantized weights, 16 rows or more, with AMX: amx_wide_gemm). ``work``:
 // tile_work_bytes of scratch for omp_get_max_threads() threads, or NULL (allocated here). Returns 0, or -1 on
 // an unsupported type or shape.
 int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes,
               void *work) {
+#if ISA_AMX
+    const int wide = (passes & TILE_WIDE) && type != TYPE_BF16 && M >= WIDE_ROWS && tile_amx_ready();
+#endif
+    passes &= ~TILE_WIDE;
     if (!tile_supported(type) || K % QK != 0 || K <= 0 || M < 1 || N < 1 || passes < 1 || passes > 2) return -1;
     const int threads = omp_get_max_threads();
     void *owned = NULL;
@@ -687,6 +789,14 @@ int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
     float *xd = (float *)((uint8_t *)work + round64(passes * pass_rows(M) * K * 2));
     int32_t *xsum = (int32_t *)(xd + M * nb);
     float *expanded = (float *)((uint8_t *)xd + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))));
+#if ISA_AMX
+    if (wide) {
+        bf16_rows(x, M, K, 1, (uint16_t *)xq);
+        amx_wide_gemm(type, (uint16_t *)xq, M, K, w, N, y, (uint8_t *)expanded, thread_bytes(K));
+        free(owned);
+        return 0;
+    }
+#endif
     if (dense) {
         bf16_rows(x, M, K, passes, (uint16_t *)xq);
 #if ISA_AMX
