@@ -166,6 +166,27 @@ def test_the_bf16_numerics_widen_quantized_weights_to_bf16_from_16_rows(qtype):
     assert torch.equal(results[17][:16], results[16])
 
 
+@pytest.mark.skipif("amx" not in cpu_kernels.supported_isas(), reason="this CPU has no AMX tiles")
+@pytest.mark.parametrize("qtype", [Q.BF16, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_the_fused_swiglu_gives_the_bits_of_the_product_then_silu_mul(qtype):
+    """Where AMX's bf16 tiles multiply a fused gate/up weight (bf16 weights; quantized ones under the bf16
+    numerics from 16 rows), each item multiplies a gate group and its up group and writes silu(gate) * up
+    itself: the bits of the (M, 2I) product followed by silu_mul, at every row count; elsewhere it declines."""
+    intermediate, k = 48, 320
+    qweight, _ = _quantized(qtype, 2 * intermediate, k, seed=13, tiles=True)
+    passes = 1 if qtype == Q.BF16 else 2 | WIDE
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(13)) * 2
+    for m in (1, 15, 16, 17, 33, 40):
+        fused = cpu_kernels.swiglu_gemm(x[:m], qweight, int(qtype), intermediate, passes)
+        if qtype != Q.BF16 and m < 16:  # the integer dots: no fused epilogue
+            assert fused is None
+            continue
+        product = cpu_kernels.qgemm(x[:m], qweight, int(qtype), 2 * intermediate, passes)
+        assert torch.equal(fused, cpu_kernels.silu_mul(product)), m
+    if qtype != Q.BF16:  # under fast, quantized weights take integer dots: never fused
+        assert cpu_kernels.swiglu_gemm(x, qweight, int(qtype), intermediate, 2) is None
+
+
 def _reference_attention(q, k_cache, v_cache, tables, token_seq, token_pos):
     """Token by token: gather the context through the block table, softmax(q k^T / sqrt(d)) v."""
     _, block_size, hkv, d = k_cache.shape

@@ -167,6 +167,8 @@ def _library(wanted: str = "auto") -> tuple[ctypes.CDLL | None, str, str]:
     lib.qgemm.restype = ctypes.c_int
     lib.tile_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr]
     lib.tile_gemm.restype = ctypes.c_int
+    lib.tile_gemm_swiglu.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr]
+    lib.tile_gemm_swiglu.restype = ctypes.c_int
     lib.tile_repack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
     lib.tile_repack.restype = ctypes.c_int
     lib.tile_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
@@ -306,6 +308,20 @@ def qgemm(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int,
     if code != 0:
         raise ValueError(f"qgemm: unsupported type {qtype}, K={k} or passes={passes}")
     return y
+
+
+def swiglu_gemm(x: torch.Tensor, qweight: torch.Tensor, qtype: int, intermediate: int, passes: int) -> torch.Tensor | None:
+    """silu(x @ gate^T) * (x @ up^T) for a fused gate/up weight in tiles ([gate; up], 2 * intermediate rows) in
+    one pass (what the decoder stack does where AMX's bf16 tiles multiply it), or None where that does not
+    apply (then: ``silu_mul(qgemm(...))``, the same bits)."""
+    x = x.contiguous()
+    m, k = x.shape
+    act = torch.empty(m, intermediate, dtype=torch.float32)
+    code = _lib().tile_gemm_swiglu(qtype, x.data_ptr(), m, k, qweight.data_ptr(), intermediate, act.data_ptr(), passes,
+                                   None)
+    if code < 0:
+        raise ValueError(f"swiglu_gemm: unsupported type {qtype}, K={k} or passes={passes}")
+    return act if code == 0 else None
 
 
 def dequantize_rows(qweight: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor,

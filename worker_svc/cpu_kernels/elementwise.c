@@ -38,10 +38,7 @@ void silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
         float *o = out + r * n;
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+            _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
         }
         for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }

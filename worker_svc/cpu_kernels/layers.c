@@ -16,6 +16,8 @@ int qgemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int6
 int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int passes,
               void *work);
 int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads);
+int tile_gemm_swiglu(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t I, float *act,
+                     int passes, void *work);
 int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
                     const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
@@ -57,6 +59,18 @@ static int linear(const QLinear *l, const float *x, int64_t rows, float *y, void
     return 0;
 }
 
+// act = silu(gate) * up of the fused gate/up projection: in one pass where the tiles can (tile_gemm_swiglu),
+// else the product into gate_up, then silu_mul.
+static int swiglu(const QLinear *l, const float *x, int64_t rows, int64_t I, float *gate_up, float *act, void *work) {
+    if (l->passes && !l->bias) {
+        const int code = tile_gemm_swiglu(l->type, x, rows, l->in, l->weight, I, act, l->passes, work);
+        if (code <= 0) return code;
+    }
+    if (linear(l, x, rows, gate_up, work)) return -1;
+    silu_mul(gate_up, rows, I, act);
+    return 0;
+}
+
 static int64_t activation_floats(const Dims *d, int64_t T) {
     const int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
     return T * (2 * d->hidden + qkv + d->heads * d->head_dim + 3 * d->intermediate);
@@ -95,8 +109,7 @@ int decoder_forward(const Layer *layers, int64_t num_layers, const Dims *d, floa
             return -1;
         if (linear(&l->o, attn, T, h, work)) return -1;
         add_rms_norm(x, h, l->post_norm, T, d->hidden, d->eps, normed);
-        if (linear(&l->gate_up, normed, T, gate_up, work)) return -1;
-        silu_mul(gate_up, T, d->intermediate, act);
+        if (swiglu(&l->gate_up, normed, T, d->intermediate, gate_up, act, work)) return -1;
         if (linear(&l->down, act, T, h, work)) return -1;
     }
     add_rms_norm(x, num_layers ? h : NULL, d->final_norm, T, d->hidden, d->eps, out);

@@ -24,6 +24,13 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// SwiGLU's silu(g) * u, 8 at a time: g / (1 + exp(-g)) * u (silu_mul, and the AMX products' fused epilogue:
+// the same operations, so the same bits).
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
