@@ -206,7 +206,7 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
                      dtype=torch.float32):
     """RoPE, the cache write and attention for the tokens given (``prompt``: which are prompt tokens), against
     PyTorch; the cache in ``dtype`` (fp16: each K and V value rounded to nearest as PyTorch rounds it, the
-    reference attending to those values in fp32)."""
+    reference attending to those values in fp32; bf16 likewise)."""
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
@@ -238,7 +238,18 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
                                 flags)
     torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
-    torch.testing.assert_close(out, expected.view(T, heads * d), atol=1e-5, rtol=1e-5)
+    out = out.view(T, heads, d)
+    if dtype == torch.bfloat16 and prompt is not None and cpu_kernels.isa() == "amx" and d % 32 == 0:
+        # prompt tokens against a bf16 cache in AMX-BF16 tiles: q (scaled) rounded to bf16, then the softmax's
+        # weights, each within 2^-9 of itself (the sum they are divided by is not rounded): the output is within
+        # 2^-9 max |v| of the same attention with that q
+        tiles = torch.tensor(prompt, dtype=torch.bool)
+        q_tiles = (rope(q, heads) * d**-0.5).bfloat16().float() * d**0.5
+        expected_tiles = _reference_attention(q_tiles, k_ref.float(), v_ref.float(), tables, token_seq, token_pos)
+        bound = 2**-9 * v_ref.float().abs().max().item() + 1e-5
+        torch.testing.assert_close(out[tiles], expected_tiles[tiles], atol=bound, rtol=0)
+        out, expected = out[~tiles], expected[~tiles]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", cpu_kernels.KV_DTYPES, ids=str)
@@ -266,6 +277,33 @@ def test_prompt_chunks_match_a_gather_however_their_tokens_group(d, heads, hkv, 
     prompt = [1] * 45 + [0] + [1] * 20 + [0] * 3 + [1, 1] + [1]
     _check_attention(d, heads, hkv, seqs, positions, block_size=block_size, num_blocks=3 * (128 // block_size),
                      prompt=prompt, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.KV_DTYPES, ids=str)
+def test_a_prompt_tokens_attention_does_not_depend_on_the_tokens_beside_it(dtype):
+    """A prompt token's attention has the bits it gets in a call of its own: the run it shares with its neighbours
+    (up to 16 query rows, or with AMX and a bf16 cache 64 rows in tiles of 16) and where that run starts do not
+    change them. A 70-token prompt in one call, then in four calls splitting it at 5, 37 and 38."""
+    g = torch.Generator().manual_seed(3)
+    d, heads, hkv, block_size, n = 64, 9, 3, 16, 70
+    k_cache = torch.zeros(8, block_size, hkv, d).to(dtype)
+    v_cache = torch.zeros(8, block_size, hkv, d).to(dtype)
+    tables = torch.randperm(8, generator=g).to(torch.int32).view(1, 8)
+    pos = torch.arange(n, dtype=torch.int32)
+    seq = torch.zeros(n, dtype=torch.int32)
+    slots = tables[0].long()[pos.long() // block_size] * block_size + pos.long() % block_size
+    qkv = torch.randn(n, (heads + 2 * hkv) * d, generator=g)
+    freqs = torch.outer(torch.arange(128, dtype=torch.float32), torch.rand(d // 2, generator=g))
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+    prompt = torch.ones(n, dtype=torch.uint8)
+
+    def attend(part):
+        return cpu_kernels.attention(qkv[part].clone(), heads, cos, sin, k_cache, v_cache, slots[part], tables,
+                                     seq[part], pos[part], prompt[part])
+
+    whole = attend(slice(0, n))
+    parts = [attend(slice(a, b)) for a, b in [(0, 5), (5, 37), (37, 38), (38, n)]]
+    assert torch.equal(torch.cat(parts), whole)
 
 
 @pytest.mark.parametrize("hkv", [1, 3])

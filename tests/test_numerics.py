@@ -127,7 +127,7 @@ def test_the_bf16_numerics_widen_quantized_weights_from_16_rows_at_the_accuracy_
     print(f"bf16 numerics ({cpu_kernels.isa()}): top-1 agreement with transformers {agreement:.4f} over "
           f"{sum(map(len, texts))} prefilled (fast {fast:.4f})")
     if cpu_kernels.isa() == "amx":
-        assert 0.95 <= agreement < fast  # README: 98 %
+        assert 0.95 <= agreement < fast  # README: 98.4 % (a bf16 cache, attention in bf16 tiles too)
     else:
         assert agreement == fast
 

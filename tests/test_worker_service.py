@@ -17,6 +17,7 @@ from conveyor.params import SamplingParams
 from conveyor.v1 import worker_pb2 as pb
 from conveyor.v1 import worker_pb2_grpc
 from conveyor.v1.conveyor_pb2 import SamplingOptions
+from worker_svc import cpu_kernels
 from worker_svc.kv_cache import bytes_per_block
 from worker_svc.loader import load_model
 from worker_svc.runner import SeqChunk, StepInput
@@ -320,6 +321,25 @@ def test_the_kv_cache_holds_fp16_under_the_fast_numerics_and_fp32_under_exact(de
                 fast, prompt, 8, SamplingParams(temperature=0.0))
     finally:
         stop(proc)
+
+
+def test_the_kv_cache_holds_bf16_under_the_bf16_numerics_where_the_kernels_have_amx():
+    """--numerics bf16 keeps K and V in bf16, as vLLM does, where a prompt's attention then runs in AMX-BF16 tiles;
+    without AMX bf16 computes what fast does, fp16 cache included. The cache a runner gets holds that dtype, and a
+    prompt through it gives the greedy tokens of a cache it has already filled (a decode reads what it wrote)."""
+    bf16 = load_model("default", numerics="bf16")
+    expected = torch.bfloat16 if cpu_kernels.isa() == "amx" else torch.float16
+    assert bf16.kv_dtype() == expected and bf16.kv_dtype("float16") == torch.float16
+    runner = make_runner(bf16, num_blocks=8)
+    assert runner.cache.k[0].dtype == expected
+    greedy = SamplingParams(temperature=0.0)
+    prompt = bf16.tokenizer.encode("The capital of Spain is the city of")
+    first = runner.step(StepInput([SeqChunk("a", prompt, 0, new_block_ids=[0, 1], sample=True, sampling=greedy,
+                                            num_prompt_tokens=len(prompt))]))[0].sampled.token_id
+    again = runner.step(StepInput([SeqChunk("b", prompt + [first], 0, new_block_ids=[2, 3], sample=True,
+                                            sampling=greedy, num_prompt_tokens=len(prompt) + 1)]))[0]
+    after = runner.step(StepInput([SeqChunk("a", [first], len(prompt), sample=True)]))[0]
+    assert after.sampled.token_id == again.sampled.token_id
 
 
 def test_the_gpu_kv_budget_follows_vllms_memory_utilization():

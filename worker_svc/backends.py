@@ -156,8 +156,8 @@ class Native(Backend):
             """The address of a tensor's memory, which the stack then reads (and the KV cache's, writes)."""
             if t is None:
                 return None
-            if not t.is_contiguous() or t.dtype not in (torch.float32, torch.uint8, torch.float16):
-                raise ValueError(f"the native decoder stack needs contiguous fp32, fp16 or uint8 tensors, got {t.dtype}")
+            if not t.is_contiguous() or t.dtype not in (torch.float32, torch.uint8, torch.float16, torch.bfloat16):
+                raise ValueError(f"the native decoder stack needs contiguous fp32, fp16, bf16 or uint8 tensors, got {t.dtype}")
             keep.append(t)
             return t.data_ptr()
 
@@ -172,7 +172,7 @@ class Native(Backend):
         ]
         dims = cpu_kernels.Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                 self.cache.block_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, ptr(model.rotary.cos),
-                                ptr(model.rotary.sin), ptr(model.norm.weight), cpu_kernels.kv_half(self.cache.k[0].dtype))
+                                ptr(model.rotary.sin), ptr(model.norm.weight), cpu_kernels.kv_kind(self.cache.k[0].dtype))
         return cpu_kernels.DecoderStack(layers, dims, keep)
 
 

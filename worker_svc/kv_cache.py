@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.errors import ConfigError
+from worker_svc import cpu_kernels
 from worker_svc.model import ModelConfig
 
 CPU_DEFAULT_FRACTION = 0.25  # of available RAM when --kv-cache-bytes is not given
@@ -20,11 +21,15 @@ CPU_DEFAULT_CAP = 2 << 30
 
 def kv_dtype(setting: str, backend: str, numerics: str, dtype: torch.dtype) -> torch.dtype:
     """The cache's dtype under ``--kv-cache-dtype setting`` for a model computing in ``dtype`` with ``backend``
-    (``backends.choose``'s name). auto: fp16 under the native backend's numerics but exact (half the bytes a
-    decode's attention reads, and twice the tokens in the same memory; llama.cpp's default too), else ``dtype``
-    (exact keeps fp32: its logits match transformers'). The PyTorch backends attend in ``dtype`` only."""
+    (``backends.choose``'s name). auto, with the native backend: fp16 under fast and int8 (half the bytes a
+    decode's attention reads, and twice the tokens in the same memory; llama.cpp's default too), bf16 under bf16
+    where the kernels have AMX (vLLM's cache; a prompt's attention products then run in AMX-BF16 tiles; without
+    AMX bf16 is fast, fp16 too), ``dtype`` under exact (fp32: its
+    logits match transformers'). The PyTorch backends attend in ``dtype`` only."""
     if setting == "auto":
-        return torch.float16 if backend == "native" and numerics != "exact" else dtype
+        if backend != "native" or numerics == "exact":
+            return dtype
+        return torch.bfloat16 if numerics == "bf16" and cpu_kernels.isa() == "amx" else torch.float16
     chosen = getattr(torch, setting)
     if backend != "native" and chosen != dtype:
         raise ConfigError(f"--kv-cache-dtype {setting}: the {backend} backend keeps its KV cache in the compute dtype "

@@ -85,7 +85,7 @@ class Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("kv_half", ctypes.c_int32)]
+                ("final_norm", ctypes.c_void_p), ("kv", ctypes.c_int32)]
 
 
 def cpu_flags() -> set[str]:
@@ -352,7 +352,7 @@ def attention(
     """Everything between the qkv and output projections, for a flat batch of T new tokens.
 
     qkv: (T, (H + 2 Hkv) * D) fp32, modified in place (RoPE on q and k); cos, sin: (P, D) tables;
-    caches: (num_blocks, block_size, Hkv, D) fp32 or fp16 (``KV_DTYPES``), k and v of each token written at
+    caches: (num_blocks, block_size, Hkv, D) fp32, fp16 or bf16 (``KV_DTYPES``), k and v of each token written at
     ``slot_mapping``;
     block_tables: (B, max_blocks) int32; token_seq, token_pos: (T,) int32; token_prompt: (T,) uint8, 1 for a
     token of its sequence's prompt (None: none is; see attention.c). Each token attends to its sequence's keys at
@@ -362,29 +362,31 @@ def attention(
     _blocks, block_size, hkv, d = k_cache.shape
     t = qkv.shape[0]
     qkv = qkv.contiguous()
-    half = kv_half(k_cache.dtype)
+    kind = kv_kind(k_cache.dtype)
     lib.rope_store(qkv.data_ptr(), t, num_heads, hkv, d, token_pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                   slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), half)
+                   slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kind)
     out = torch.empty(t, num_heads * d, dtype=torch.float32)
     code = lib.paged_attention(
         qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], token_seq.data_ptr(), token_pos.data_ptr(),
         None if token_prompt is None else token_prompt.data_ptr(), t, num_heads, hkv, d, block_size,
-        d**-0.5, out.data_ptr(), half,
+        d**-0.5, out.data_ptr(), kind,
     )
     if code != 0:
         raise ValueError(f"paged_attention: unsupported shapes H={num_heads} Hkv={hkv} D={d}")
     return out
 
 
-KV_DTYPES = (torch.float32, torch.float16)  # what the kernels' KV cache may hold
+# what the kernels' KV cache may hold, in attention.c's order (KV_F32, KV_F16, KV_BF16); a prompt's tokens attend
+# to a bf16 cache in AMX-BF16 tiles where the CPU has them (q and the softmax's weights rounded to bf16 too)
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def kv_half(dtype: torch.dtype) -> int:
-    """1 for a KV cache of fp16 values, 0 for fp32 (any other dtype: ValueError)."""
+def kv_kind(dtype: torch.dtype) -> int:
+    """The kernels' code for a KV cache of ``dtype``: 0 fp32, 1 fp16, 2 bf16 (any other dtype: ValueError)."""
     if dtype not in KV_DTYPES:
-        raise ValueError(f"the CPU kernels' KV cache holds float32 or float16, not {dtype}")
-    return int(dtype == torch.float16)
+        raise ValueError(f"the CPU kernels' KV cache holds float32, float16 or bfloat16, not {dtype}")
+    return KV_DTYPES.index(dtype)
 
 
 def add_rms_norm(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

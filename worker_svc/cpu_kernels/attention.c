@@ -22,27 +22,33 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "isa.h"
 #include "simd.h"
 
-// The cache holds fp32 values, or fp16 ones (``half``: --kv-cache-dtype float16, half the bytes a decode's
-// attention reads, which at 8-32 streams is most of its time); either is read as fp32 vectors, so the
-// arithmetic after the load is the same. ``index`` counts values.
-static inline __attribute__((always_inline)) const void *kv_at(const void *cache, int64_t index, int half) {
-    return (const char *)cache + index * (half ? 2 : 4);
+// The cache holds fp32 values, or fp16 or bf16 ones (``kv``: KV_F16, KV_BF16; --kv-cache-dtype float16 or
+// bfloat16, half the bytes a decode's attention reads, which at 8-32 streams is most of its time); each is read as
+// fp32 vectors, so the arithmetic after the load is the same. ``index`` counts values.
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+static inline __attribute__((always_inline)) const void *kv_at(const void *cache, int64_t index, int kv) {
+    return (const char *)cache + index * (kv ? 2 : 4);
 }
 
-static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int kv) {
+    if (kv == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (kv == KV_BF16)  // a bf16 value is the high half of its fp32 value
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
 }
 
-static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, int half) {
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, int kv) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_load8(kv_at(b, d, half), half), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), kv_load8(kv_at(b, d + 8, half), half), acc1);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_load8(kv_at(b, d, kv), kv), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), kv_load8(kv_at(b, d + 8, kv), kv), acc1);
     }
-    for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_load8(kv_at(b, d, half), half), acc0);
+    for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_load8(kv_at(b, d, kv), kv), acc0);
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
@@ -80,16 +86,16 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
                                                           const void *v_cache, const int32_t *table,
                                                           int64_t j0, int64_t j1, int64_t block_size, int64_t row,
                                                           int64_t G, int64_t D, float scale, float *scores,
-                                                          float *out, float *mx, float *sum, int half) {
+                                                          float *out, float *mx, float *sum, int kv) {
     const int64_t n = j1 - j0;
     // scores[g * n + j - j0] = q_g . k_j * scale, walking the block table block by block
     for (int64_t j = j0; j < j1;) {
         const int64_t blk = j / block_size, o0 = j % block_size;
-        const void *kb = kv_at(k_cache, (int64_t)table[blk] * block_size * row, half);
+        const void *kb = kv_at(k_cache, (int64_t)table[blk] * block_size * row, kv);
         const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
         for (int64_t o = o0; j < stop; o++, j++)
             for (int64_t g = 0; g < G; g++)
-                scores[g * n + j - j0] = dot(qt + g * D, kv_at(kb, o * row, half), D, half) * scale;
+                scores[g * n + j - j0] = dot(qt + g * D, kv_at(kb, o * row, kv), D, kv) * scale;
     }
     for (int64_t g = 0; g < G; g++) mx[g] = exp_shifted(scores + g * n, n, sum + g);
     // out_g accumulated in registers (D / 8 vectors) one head at a time
@@ -99,12 +105,12 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
         const float *p = scores + g * n;
         for (int64_t j = j0; j < j1;) {
             const int64_t blk = j / block_size, o0 = j % block_size;
-            const void *vb = kv_at(v_cache, (int64_t)table[blk] * block_size * row, half);
+            const void *vb = kv_at(v_cache, (int64_t)table[blk] * block_size * row, kv);
             const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
             for (int64_t o = o0; j < stop; o++, j++) {
                 const __m256 pj = _mm256_set1_ps(p[j - j0]);
                 for (int64_t d = 0; d < D / 8; d++)
-                    acc[d] = _mm256_fmadd_ps(pj, kv_load8(kv_at(vb, o * row + 8 * d, half), half), acc[d]);
+                    acc[d] = _mm256_fmadd_ps(pj, kv_load8(kv_at(vb, o * row + 8 * d, kv), kv), acc[d]);
             }
         }
         for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(out + g * D + 8 * d, acc[d]);
@@ -119,18 +125,21 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
 // operations in the same order whichever keys share its vectors: the bits depend on the key range only.
 enum { HEADS_AT_ONCE = 4, AHEAD = 32 };  // AHEAD: keys between a row's prefetch and its use
 
-static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int kv) {
+    if (kv == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    if (kv == KV_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
 }
 
 // Rows [j0, j1) of a cache (D floats of one head each) fetched toward L1 ahead of their use: the blocks of a
 // sequence lie anywhere, so the hardware's stride prefetchers do not see them coming (1.3-1.6x at 8-32 streams).
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int32_t *table, int64_t j0,
                                                                  int64_t j1, int64_t block_size, int64_t row,
-                                                                 int64_t D, int half) {
+                                                                 int64_t D, int kv) {
     for (int64_t key = j0; key < j1; key++) {
-        const char *at = (const char *)kv_at(cache, slot_of(table, key, block_size) * row, half);
-        for (int64_t b = 0; b < D * (half ? 2 : 4); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+        const char *at = (const char *)kv_at(cache, slot_of(table, key, block_size) * row, kv);
+        for (int64_t b = 0; b < D * (kv ? 2 : 4); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
     }
 }
 
@@ -153,19 +162,19 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
 static inline __attribute__((always_inline)) void weigh_values(int gh, const void *v_cache, const int32_t *table,
                                                                 int64_t j0, int64_t j1, int64_t block_size,
                                                                 int64_t row, int64_t D, const float *scores,
-                                                                int64_t n, float *out, int half) {
+                                                                int64_t n, float *out, int kv) {
     __m512 acc[HEADS_AT_ONCE][MAX_D / 16];
     for (int g = 0; g < gh; g++)
         for (int64_t d = 0; d < D / 16; d++) acc[g][d] = _mm512_setzero_ps();
     for (int64_t j = j0; j < j1;) {
         const int64_t blk = j / block_size, o0 = j % block_size;
-        const void *vb = kv_at(v_cache, (int64_t)table[blk] * block_size * row, half);
+        const void *vb = kv_at(v_cache, (int64_t)table[blk] * block_size * row, kv);
         const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
         for (int64_t o = o0; j < stop; o++, j++) {
-            const void *vr = kv_at(vb, o * row, half);
-            if (j + AHEAD < j1) prefetch_rows(v_cache, table, j + AHEAD, j + AHEAD + 1, block_size, row, D, half);
+            const void *vr = kv_at(vb, o * row, kv);
+            if (j + AHEAD < j1) prefetch_rows(v_cache, table, j + AHEAD, j + AHEAD + 1, block_size, row, D, kv);
             for (int64_t d = 0; d < D / 16; d++) {
-                const __m512 v = kv_load16(kv_at(vr, 16 * d, half), half);
+                const __m512 v = kv_load16(kv_at(vr, 16 * d, kv), kv);
                 for (int g = 0; g < gh; g++)
                     acc[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j - j0]), v, acc[g][d]);
             }
@@ -179,7 +188,7 @@ static inline __attribute__((always_inline)) void attend16(const float *qt, cons
                                                             const void *v_cache, const int32_t *table,
                                                             int64_t j0, int64_t j1, int64_t block_size, int64_t row,
                                                             int64_t G, int64_t D, float scale, float *scores,
-                                                            float *out, float *mx, float *sum, int half) {
+                                                            float *out, float *mx, float *sum, int kv) {
     const int64_t n = j1 - j0;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j = j0; j < j1; j += 16) {
@@ -187,17 +196,17 @@ static inline __attribute__((always_inline)) void attend16(const float *qt, cons
         const void *kr[16];
         for (int64_t i = 0; i < 16; i++) {  // past the range: the range's first key (computed, never stored)
             const int64_t key = i < count ? j + i : j0;
-            kr[i] = kv_at(k_cache, slot_of(table, key, block_size) * row, half);
+            kr[i] = kv_at(k_cache, slot_of(table, key, block_size) * row, kv);
         }
         prefetch_rows(k_cache, table, j + AHEAD < j1 ? j + AHEAD : j1, j + AHEAD + 16 < j1 ? j + AHEAD + 16 : j1,
-                      block_size, row, D, half);
+                      block_size, row, D, kv);
         const __mmask16 keep = (__mmask16)((1u << count) - 1);
         for (int64_t g = 0; g < G; g++) {
             __m512 v[16];
             for (int i = 0; i < 16; i++) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt + g * D), kv_load16(kr[i], half));
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt + g * D), kv_load16(kr[i], kv));
                 for (int64_t d = 16; d < D; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + g * D + d), kv_load16(kv_at(kr[i], d, half), half), acc);
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + g * D + d), kv_load16(kv_at(kr[i], d, kv), kv), acc);
                 v[i] = acc;
             }
             _mm512_mask_storeu_ps(scores + g * n + j - j0, keep, _mm512_mul_ps(sum16(v), vscale));
@@ -209,10 +218,10 @@ static inline __attribute__((always_inline)) void attend16(const float *qt, cons
         const float *p = scores + g0 * n;
         float *o = out + g0 * D;
         switch (gh) {  // a constant count of heads, so their sums stay in registers
-            case 1: weigh_values(1, v_cache, table, j0, j1, block_size, row, D, p, n, o, half); break;
-            case 2: weigh_values(2, v_cache, table, j0, j1, block_size, row, D, p, n, o, half); break;
-            case 3: weigh_values(3, v_cache, table, j0, j1, block_size, row, D, p, n, o, half); break;
-            default: weigh_values(4, v_cache, table, j0, j1, block_size, row, D, p, n, o, half); break;
+            case 1: weigh_values(1, v_cache, table, j0, j1, block_size, row, D, p, n, o, kv); break;
+            case 2: weigh_values(2, v_cache, table, j0, j1, block_size, row, D, p, n, o, kv); break;
+            case 3: weigh_values(3, v_cache, table, j0, j1, block_size, row, D, p, n, o, kv); break;
+            default: weigh_values(4, v_cache, table, j0, j1, block_size, row, D, p, n, o, kv); break;
         }
     }
 }
@@ -222,22 +231,23 @@ static inline __attribute__((always_inline)) void attend_d(const float *qt, cons
                                                             const int32_t *table, int64_t j0, int64_t j1,
                                                             int64_t block_size, int64_t row, int64_t G, int64_t D,
                                                             float scale, float *scores, float *out, float *mx,
-                                                            float *sum, int half) {
+                                                            float *sum, int kv) {
 #if defined(__AVX512F__)
-    if (D == 64) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum, half);
-    if (D == 128) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum, half);
-    if (D % 16 == 0) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, half);
+    if (D == 64) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum, kv);
+    if (D == 128) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum, kv);
+    if (D % 16 == 0) return attend16(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, kv);
 #endif
-    if (D == 64) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum, half);
-    else if (D == 128) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum, half);
-    else attend(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, half);
+    if (D == 64) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 64, scale, scores, out, mx, sum, kv);
+    else if (D == 128) attend(qt, kc, vc, table, j0, j1, block_size, row, G, 128, scale, scores, out, mx, sum, kv);
+    else attend(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, kv);
 }
 
 static void attend_any_d(const float *qt, const void *kc, const void *vc, const int32_t *table, int64_t j0, int64_t j1,
                          int64_t block_size, int64_t row, int64_t G, int64_t D, float scale, float *scores, float *out,
-                         float *mx, float *sum, int half) {
-    if (half) attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, 1);
-    else attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, 0);
+                         float *mx, float *sum, int kv) {
+    if (kv == KV_F16) attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, KV_F16);
+    else if (kv == KV_BF16) attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, KV_BF16);
+    else attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, KV_F32);
 }
 
 #if defined(__AVX512F__)
@@ -263,7 +273,7 @@ static inline __attribute__((always_inline)) void flash_run(const float *q, int6
                                                              const void *v_cache, const int32_t *table, int64_t t0,
                                                              int64_t n, int64_t p0, int64_t kvh, int64_t G, int64_t H,
                                                              int64_t D, int64_t block_size, int64_t row, float scale,
-                                                             float *work, float *out, int half) {
+                                                             float *work, float *out, int kv) {
     float *kt = work, *vt = kt + KEYS * D, *qt = vt + KEYS * D, *o = qt + LANES * D;
     const int64_t rows = n * G, ctx = p0 + n;
     int32_t pos_of[LANES];
@@ -281,8 +291,8 @@ static inline __attribute__((always_inline)) void flash_run(const float *q, int6
             const int64_t key = j0 + j < ctx ? j0 + j : 0;
             const int64_t at = slot_of(table, key, block_size) * row + kvh * D;
             for (int64_t d = 0; d < D; d += 8) {  // D is a multiple of 8
-                _mm256_storeu_ps(kt + j * D + d, kv_load8(kv_at(k_cache, at + d, half), half));
-                _mm256_storeu_ps(vt + j * D + d, kv_load8(kv_at(v_cache, at + d, half), half));
+                _mm256_storeu_ps(kt + j * D + d, kv_load8(kv_at(k_cache, at + d, kv), kv));
+                _mm256_storeu_ps(vt + j * D + d, kv_load8(kv_at(v_cache, at + d, kv), kv));
             }
         }
         __m512 s[KEYS];
@@ -324,31 +334,235 @@ static inline __attribute__((always_inline)) void flash_run(const float *q, int6
 static void flash_run_any_d(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int32_t *table, int64_t t0, int64_t n, int64_t p0, int64_t kvh, int64_t G,
                             int64_t H, int64_t D, int64_t block_size, int64_t row, float scale, float *work,
-                            float *out, int half) {
-#define FLASH(DD, HALF) flash_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, \
-                                  scale, work, out, HALF)
-    if (half) {
-        if (D == 64) FLASH(64, 1);
-        else if (D == 128) FLASH(128, 1);
-        else FLASH(D, 1);
-    } else {
-        if (D == 64) FLASH(64, 0);
-        else if (D == 128) FLASH(128, 0);
-        else FLASH(D, 0);
-    }
+                            float *out, int kv) {
+#define FLASH(DD, KV) flash_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, \
+                                scale, work, out, KV)
+#define FLASH_D(KV)                          \
+    do {                                     \
+        if (D == 64) FLASH(64, KV);          \
+        else if (D == 128) FLASH(128, KV);   \
+        else FLASH(D, KV);                   \
+    } while (0)
+    if (kv == KV_F16) FLASH_D(KV_F16);
+    else if (kv == KV_BF16) FLASH_D(KV_BF16);
+    else FLASH_D(KV_F32);
+#undef FLASH_D
 #undef FLASH
 }
 #endif
 
+#if ISA_AMX
+// A prompt's runs under a bf16 cache (--kv-cache-dtype bfloat16, what --numerics bf16 keeps), in AMX-BF16 tiles:
+// the products of flash attention in bf16 with fp32 sums, as vLLM computes them. A run's rows (up to AMX_RUN_ROWS:
+// consecutive tokens of one sequence x the G heads of one KV head) go in query tiles of 16, each against the keys
+// 32 at a time:
+//   S^T = K Q^T: A is 16 keys x 32 of their values, loaded from the cache as it lies (a block's keys are a fixed
+//     stride apart), B is q (scaled, rounded to bf16) in pairs of values x 16 rows, made once per run; S^T's rows
+//     are keys and its lanes query rows, so the softmax runs lane by lane as flash_run's does (a running max and
+//     sum per row, no horizontal reduction);
+//   O += P V: A is P (16 rows x 32 keys, rounded to bf16: the softmax's vectors in pairs of keys, transposed), B
+//     is V in pairs of keys x 16 values, made once per key block for every query tile of the run; O stays in this
+//     thread's memory (16 rows x D fp32 a tile), scaled by the change of each row's max only when one changed.
+// Each query row is a lane of its own through all of it, and a key block past a row's position scales it by 1 and
+// adds 0: a row's bits depend on its keys, not on the rows beside it.
+enum { AMX_KEYS = 32, AMX_RUN_ROWS = 64, AMX_QTILES = AMX_RUN_ROWS / 16 };
+
+void tile_bf16_configure(void);  // tiles.c: the 8 tiles as 16 rows x 64 bytes
+int tile_amx_ready(void);
+
+// r[i] <- the 16 32-bit lanes i of r[0..15] (a 16 x 16 transpose of 32-bit values).
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {  // per 128 bits: rows 2i, 2i + 1 interleaved
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {  // b[4g + c], 128-bit lane L: column 4L + c of rows 4g..4g + 3
+        b[4 * g] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+        b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), c1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(c0, c2, 0x88), r[4 + c] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(c0, c2, 0xDD), r[12 + c] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+
+// Two fp32 vectors (lanes n) as one of bf16 pairs: lane n holds (lo[n], hi[n]), lo in the low half.
+static inline __attribute__((always_inline)) __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// Bytes of a thread's work memory for head size D.
+static int64_t amx_run_bytes(int64_t D) {
+    return AMX_QTILES * (D / 32) * 1024      // q^T: per query tile, D / 32 B tiles
+           + AMX_RUN_ROWS * D * 4            // o
+           + (D / 16) * 1024                 // a key block's V as B tiles
+           + AMX_KEYS * D * 2                // a key block's keys gathered (when not one stride apart)
+           + AMX_KEYS * 16 * 4 + 1024;       // S^T, P
+}
+
+// Tokens t0 .. t0 + n - 1 (positions p0 .. of one sequence, n * G <= AMX_RUN_ROWS), KV head kvh; bf16 cache.
+static inline __attribute__((always_inline)) void amx_run(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                                                           const uint16_t *v_cache, const int32_t *table, int64_t t0,
+                                                           int64_t n, int64_t p0, int64_t kvh, int64_t G, int64_t H,
+                                                           int64_t D, int64_t block_size, int64_t row, float scale,
+                                                           uint8_t *work, float *out) {
+    uint8_t *qt = work;                                     // [tile][D / 32][16 pairs x 16 rows x 4 B]
+    float *o = (float *)(qt + AMX_QTILES * (D / 32) * 1024);  // [row][D]
+    uint8_t *vb = (uint8_t *)(o + AMX_RUN_ROWS * D);        // [D / 16][16 key pairs x 16 values x 4 B]
+    uint16_t *kg = (uint16_t *)(vb + (D / 16) * 1024);      // [32 keys][D]
+    float *st = (float *)(kg + AMX_KEYS * D);               // [32 keys][16 rows]
+    uint8_t *pa = (uint8_t *)(st + AMX_KEYS * 16);          // [16 rows][32 keys bf16]
+    const int64_t rows = n * G, tiles = (rows + 15) / 16, ctx = p0 + n;
+    __m512 m[AMX_QTILES], l[AMX_QTILES];
+    __m512i pos[AMX_QTILES];
+    int64_t last[AMX_QTILES];  // the highest position among a tile's rows
+    for (int64_t t = 0; t < tiles; t++) {
+        int32_t pos_of[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t rr = t * 16 + r < rows ? t * 16 + r : t * 16;  // rows past the run: its tile's first
+            pos_of[r] = (int32_t)(p0 + rr / G);
+        }
+        pos[t] = _mm512_loadu_si512(pos_of);
+        last[t] = p0 + ((t * 16 + 15 < rows ? t * 16 + 15 : rows - 1) / G);
+        m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D / 32; c++) {  // q^T in pairs of values: B's row i, lane r = values 2i, 2i + 1 of row r
+            __m512i x[16];
+            for (int r = 0; r < 16; r++) {
+                const int64_t rr = t * 16 + r;
+                if (rr >= rows) {
+                    x[r] = _mm512_setzero_si512();
+                    continue;
+                }
+                const float *qr = q + (t0 + rr / G) * q_stride + (kvh * G + rr % G) * D + c * 32;
+                const __m512 s = _mm512_set1_ps(scale);
+                x[r] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 16), s),
+                                                    _mm512_mul_ps(_mm512_loadu_ps(qr), s));
+            }
+            transpose16(x);
+            for (int i = 0; i < 16; i++) _mm512_store_si512(qt + (t * (D / 32) + c) * 1024 + 64 * i, x[i]);
+        }
+    }
+    memset(o, 0, tiles * 16 * D * sizeof(float));
+    static const int16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const int64_t stride = row * 2;  // bytes between a block's keys
+    for (int64_t j0 = 0; j0 < ctx; j0 += AMX_KEYS) {
+        // V's B tiles: row i, lane c = values c of keys j0 + 2i, j0 + 2i + 1 (past the context, key 0's)
+        for (int64_t i = 0; i < AMX_KEYS / 2; i++) {
+            const int64_t k0 = j0 + 2 * i < ctx ? j0 + 2 * i : 0, k1 = j0 + 2 * i + 1 < ctx ? j0 + 2 * i + 1 : 0;
+            const uint16_t *v0 = v_cache + slot_of(table, k0, block_size) * row + kvh * D;
+            const uint16_t *v1 = v_cache + slot_of(table, k1, block_size) * row + kvh * D;
+            for (int64_t d = 0; d < D; d += 32) {
+                const __m512i a = _mm512_loadu_si512(v0 + d), b = _mm512_loadu_si512(v1 + d);
+                _mm512_store_si512(vb + (d / 16) * 1024 + 64 * i, _mm512_permutex2var_epi16(a, lo, b));
+                _mm512_store_si512(vb + (d / 16 + 1) * 1024 + 64 * i, _mm512_permutex2var_epi16(a, hi, b));
+            }
+        }
+        // K's A tiles: 16 keys a block's stride apart where they lie so, else gathered (past the context, key 0)
+        const uint16_t *ka[2];
+        int64_t kstride[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t k = j0 + 16 * h;
+            if (k + 16 <= ctx && k % block_size + 16 <= block_size) {
+                ka[h] = k_cache + slot_of(table, k, block_size) * row + kvh * D, kstride[h] = stride;
+                continue;
+            }
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t key = k + j < ctx ? k + j : 0;
+                memcpy(kg + (16 * h + j) * D, k_cache + slot_of(table, key, block_size) * row + kvh * D, D * 2);
+            }
+            ka[h] = kg + 16 * h * D, kstride[h] = D * 2;
+        }
+        for (int64_t t = 0; t < tiles; t++) {
+            if (j0 > last[t]) continue;  // every key past every row of the tile: no change to it
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t c = 0; c < D / 32; c++) {
+                _tile_loadd(3, qt + (t * (D / 32) + c) * 1024, 64);
+                _tile_loadd(2, ka[0] + c * 32, kstride[0]);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_loadd(2, ka[1] + c * 32, kstride[1]);
+                _tile_dpbf16ps(1, 2, 3);
+            }
+            _tile_stored(0, st, 64);
+            _tile_stored(1, st + 256, 64);
+            __m512 s[AMX_KEYS], top = m[t];
+            __mmask16 masked[AMX_KEYS];
+            for (int j = 0; j < AMX_KEYS; j++) {  // causal: a row sees the keys up to its own position
+                masked[j] = _mm512_cmp_epi32_mask(pos[t], _mm512_set1_epi32((int32_t)(j0 + j)), _MM_CMPINT_LT);
+                s[j] = _mm512_mask_mov_ps(_mm512_load_ps(st + 16 * j), masked[j], _mm512_set1_ps(-INFINITY));
+                top = _mm512_max_ps(top, s[j]);
+            }
+            const __m512 alpha = exp512(_mm512_sub_ps(m[t], top));  // the old sums' weight under the new max
+            m[t] = top;
+            l[t] = _mm512_mul_ps(l[t], alpha);
+            for (int j = 0; j < AMX_KEYS; j++) {
+                s[j] = _mm512_maskz_mov_ps((__mmask16)~masked[j], exp512(_mm512_sub_ps(s[j], top)));
+                l[t] = _mm512_add_ps(l[t], s[j]);
+            }
+            __m512i p[16];  // P^T in pairs of keys (row i, lane r: keys 2i, 2i + 1 of row r), transposed: P
+            for (int i = 0; i < 16; i++) p[i] = bf16_pairs(s[2 * i], s[2 * i + 1]);
+            transpose16(p);
+            for (int r = 0; r < 16; r++) _mm512_store_si512(pa + 64 * r, p[r]);
+            float *ot = o + t * 16 * D;
+            if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) {
+                float a[16];
+                _mm512_storeu_ps(a, alpha);
+                for (int r = 0; r < 16; r++)
+                    for (int64_t d = 0; d < D; d += 16)
+                        _mm512_storeu_ps(ot + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(ot + r * D + d), _mm512_set1_ps(a[r])));
+            }
+            _tile_loadd(5, pa, 64);
+            for (int64_t c = 0; c < D / 16; c++) {
+                _tile_loadd(4, ot + c * 16, D * 4);
+                _tile_loadd(6, vb + c * 1024, 64);
+                _tile_dpbf16ps(4, 5, 6);
+                _tile_stored(4, ot + c * 16, D * 4);
+            }
+        }
+    }
+    for (int64_t t = 0; t < tiles; t++) {
+        float inv[16];
+        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l[t]));
+        for (int64_t r = 0; r < 16 && t * 16 + r < rows; r++) {
+            const int64_t rr = t * 16 + r;
+            float *dst = out + ((t0 + rr / G) * H + kvh * G + rr % G) * D;
+            const __m512 w = _mm512_set1_ps(inv[r]);
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + rr * D + d), w));
+        }
+    }
+}
+
+static void amx_run_any_d(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                          const int32_t *table, int64_t t0, int64_t n, int64_t p0, int64_t kvh, int64_t G, int64_t H,
+                          int64_t D, int64_t block_size, int64_t row, float scale, uint8_t *work, float *out) {
+#define RUN(DD) amx_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, scale, work, out)
+    if (D == 64) RUN(64);
+    else if (D == 128) RUN(128);
+    else RUN(D);
+#undef RUN
+}
+#endif
+
 // q: (T, H, D) with rows q_stride floats apart; out: (T, H, D) contiguous; k_cache, v_cache:
-// (num_blocks, block_size, Hkv, D), fp32 or with ``kv_half`` fp16; block_tables: (B, max_blocks) int32; q_seq,
+// (num_blocks, block_size, Hkv, D), fp32, fp16 or bf16 (``kv``: KV_F32, KV_F16, KV_BF16); block_tables: (B, max_blocks) int32; q_seq,
 // q_pos: (T,) int32; q_prompt: (T,) uint8, 1 for a token of its sequence's prompt (or NULL: none is). D must be a
 // multiple of 8, at most 256. Returns 0, or -1 on bad shapes (or no memory).
 int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
                     const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                    float *out, int kv_half) {
-    if (D % 8 != 0 || D > MAX_D || Hkv <= 0 || H % Hkv != 0) return -1;
+                    float *out, int kv) {
+    if (D % 8 != 0 || D > MAX_D || Hkv <= 0 || H % Hkv != 0 || kv < KV_F32 || kv > KV_BF16) return -1;
     const int64_t G = H / Hkv, items = T * Hkv;
     int64_t max_ctx = 0;
     for (int64_t t = 0; t < T; t++) max_ctx = q_pos[t] + 1 > max_ctx ? q_pos[t] + 1 : max_ctx;
@@ -369,7 +583,14 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
     int flash = 0;
 #if defined(__AVX512F__)
     int64_t *run_len = NULL, runs = 0;
-    flash = q_prompt != NULL && G <= LANES;
+#if ISA_AMX
+    const int amx = q_prompt != NULL && kv == KV_BF16 && D % 32 == 0 && G <= AMX_RUN_ROWS && tile_amx_ready();
+    const int64_t run_rows = amx ? AMX_RUN_ROWS : LANES;  // query rows a run may hold
+#else
+    const int amx = 0;
+    const int64_t run_rows = LANES;
+#endif
+    flash = q_prompt != NULL && (amx || G <= LANES);
     if (flash) {
         run_start = malloc(2 * T * sizeof(int64_t));
         if (run_start == NULL) {
@@ -377,7 +598,7 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
             return -1;
         }
         run_len = run_start + T;
-        const int64_t per_run = LANES / G;
+        const int64_t per_run = run_rows / G;
         for (int64_t t = 0; t < T;) {
             if (!q_prompt[t]) {
                 t++;
@@ -396,14 +617,28 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
         float *scores = aligned_alloc(32, ((G * (splits > 1 ? span : max_ctx) + 7) / 8 * 8) * sizeof(float));
         float mx[MAX_D], sum[MAX_D];  // G <= H; heads per KV head beyond MAX_D are not a real model
 #if defined(__AVX512F__)
-        if (runs) {
+#if ISA_AMX
+        if (runs && amx) {
+            uint8_t *work = aligned_alloc(64, amx_run_bytes(D));
+            tile_bf16_configure();
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t item = 0; item < runs * Hkv; item++) {
+                const int64_t t0 = run_start[item / Hkv], kvh = item % Hkv;
+                amx_run_any_d(q, q_stride, k_cache, v_cache, block_tables + (int64_t)q_seq[t0] * max_blocks, t0,
+                              run_len[item / Hkv], q_pos[t0], kvh, G, H, D, block_size, row, scale, work, out);
+            }
+            _tile_release();
+            free(work);
+        }
+#endif
+        if (runs && !amx) {
             float *work = aligned_alloc(64, 2 * (KEYS + LANES) * D * sizeof(float));
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t item = 0; item < runs * Hkv; item++) {
                 const int64_t t0 = run_start[item / Hkv], kvh = item % Hkv;
                 flash_run_any_d(q, q_stride, k_cache, v_cache, block_tables + (int64_t)q_seq[t0] * max_blocks, t0,
                                 run_len[item / Hkv], q_pos[t0], kvh, G, H, D, block_size, row, scale, work, out,
-                                kv_half);
+                                kv);
             }
             free(work);
         }
@@ -415,10 +650,10 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
             if (flash && q_prompt[t]) continue;
             const int32_t *table = block_tables + (int64_t)q_seq[t] * max_blocks;
             const float *qt = q + t * q_stride + kvh * G * D;
-            const void *kc = kv_at(k_cache, kvh * D, kv_half), *vc = kv_at(v_cache, kvh * D, kv_half);
+            const void *kc = kv_at(k_cache, kvh * D, kv), *vc = kv_at(v_cache, kvh * D, kv);
             if (splits == 1) {
                 float *ot = out + (t * H + kvh * G) * D;
-                attend_any_d(qt, kc, vc, table, 0, ctx, block_size, row, G, D, scale, scores, ot, mx, sum, kv_half);
+                attend_any_d(qt, kc, vc, table, 0, ctx, block_size, row, G, D, scale, scores, ot, mx, sum, kv);
                 for (int64_t g = 0; g < G; g++) {
                     const __m256 inv = _mm256_set1_ps(1.0f / sum[g]);
                     for (int64_t d = 0; d < D; d += 8)
@@ -434,7 +669,7 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
                 for (int64_t g = 0; g < G; g++) pm[g] = -INFINITY, ps[g] = 0.0f;
                 continue;
             }
-            attend_any_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, po, pm, ps, kv_half);
+            attend_any_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, po, pm, ps, kv);
         }
         free(scores);
         if (splits > 1) {
@@ -468,10 +703,10 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
 
 // Rotary embedding (halves layout, as in HF weights) on the q and k heads of each row of qkv, in
 // place, then k and v copied into their cache slots. qkv: (T, (H + 2 Hkv) * D); cos, sin: (P, D)
-// tables indexed by position. Same arithmetic as x * cos + rotate_half(x) * sin. With ``kv_half`` the caches
-// are fp16: each value rounded to nearest (Hkv * D a multiple of 8).
+// tables indexed by position. Same arithmetic as x * cos + rotate_half(x) * sin. With ``kv`` KV_F16 or KV_BF16
+// the caches hold fp16 or bf16 values: each rounded to nearest (Hkv * D a multiple of 8).
 void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const int32_t *pos, const float *cos,
-                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv_half) {
+                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv) {
     const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -486,15 +721,16 @@ void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const 
             }
         }
         const int64_t n = Hkv * D;
-        if (!kv_half) {
+        if (kv == KV_F32) {
             memcpy((float *)k_cache + slots[t] * n, row + H * D, n * sizeof(float));
             memcpy((float *)v_cache + slots[t] * n, row + (H + Hkv) * D, n * sizeof(float));
             continue;
         }
         uint16_t *k = (uint16_t *)k_cache + slots[t] * n, *v = (uint16_t *)v_cache + slots[t] * n;
         for (int64_t i = 0; i < n; i += 8) {
-            _mm_storeu_si128((__m128i *)(k + i), _mm256_cvtps_ph(_mm256_loadu_ps(row + H * D + i), _MM_FROUND_TO_NEAREST_INT));
-            _mm_storeu_si128((__m128i *)(v + i), _mm256_cvtps_ph(_mm256_loadu_ps(row + (H + Hkv) * D + i), _MM_FROUND_TO_NEAREST_INT));
+            const __m256 kf = _mm256_loadu_ps(row + H * D + i), vf = _mm256_loadu_ps(row + (H + Hkv) * D + i);
+            _mm_storeu_si128((__m128i *)(k + i), kv == KV_BF16 ? bf16_8(kf) : _mm256_cvtps_ph(kf, _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(v + i), kv == KV_BF16 ? bf16_8(vf) : _mm256_cvtps_ph(vf, _MM_FROUND_TO_NEAREST_INT));
         }
     }
 }

@@ -21,9 +21,9 @@ int tile_gemm_swiglu(int type, const float *x, int64_t M, int64_t K, const uint8
 int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
                     const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                    float *out, int kv_half);
+                    float *out, int kv);
 void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const int32_t *pos, const float *cos,
-                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv_half);
+                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv);
 void add_rms_norm(float *x, const float *add, const float *w, int64_t rows, int64_t n, float eps, float *out);
 void silu_mul(const float *gu, int64_t rows, int64_t n, float *out);
 
@@ -38,7 +38,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;  // (hidden,)
     QLinear qkv, o, gate_up, down;
-    void *k_cache, *v_cache;  // (num_blocks, block_size, Hkv, D), fp32 or fp16 (Dims.kv_half)
+    void *k_cache, *v_cache;  // (num_blocks, block_size, Hkv, D), fp32, fp16 or bf16 (Dims.kv)
 } Layer;
 
 typedef struct {
@@ -46,7 +46,7 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin;  // (positions, head_dim) RoPE tables
     const float *final_norm;
-    int32_t kv_half;  // the KV cache holds fp16 values (else fp32)
+    int32_t kv;  // what the KV cache holds: 0 fp32, 1 fp16, 2 bf16 (attention.c's KV_F32, KV_F16, KV_BF16)
 } Dims;
 
 static int linear(const QLinear *l, const float *x, int64_t rows, float *y, void *work) {
@@ -103,9 +103,9 @@ int decoder_forward(const Layer *layers, int64_t num_layers, const Dims *d, floa
         add_rms_norm(x, i == 0 ? NULL : h, l->input_norm, T, d->hidden, d->eps, normed);
         if (linear(&l->qkv, normed, T, qkv, work)) return -1;
         rope_store(qkv, T, d->heads, d->kv_heads, d->head_dim, q_pos, d->cos, d->sin, slots, l->k_cache, l->v_cache,
-                   d->kv_half);
+                   d->kv);
         if (paged_attention(qkv, qkv_width, l->k_cache, l->v_cache, block_tables, max_blocks, q_seq, q_pos, q_prompt,
-                            T, d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn, d->kv_half))
+                            T, d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn, d->kv))
             return -1;
         if (linear(&l->o, attn, T, h, work)) return -1;
         add_rms_norm(x, h, l->post_norm, T, d->hidden, d->eps, normed);

@@ -38,3 +38,20 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// 8 floats -> bf16, rounded to nearest even (a NaN stays a NaN, made quiet), each in the high half of its 32-bit
+// lane (the low half zero: the bf16 value as fp32).
+static inline __m256i to_bf16_8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), ones = _mm256_set1_epi32(1);
+    const __m256i up = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), ones));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    return _mm256_and_si256(_mm256_blendv_epi8(up, quiet, nan), _mm256_set1_epi32((int)0xFFFF0000));
+}
+
+// 8 floats -> 8 bf16 values, rounded to nearest even (to_bf16_8), in order.
+static inline __m128i bf16_8(__m256 v) {
+    const __m256i h = _mm256_srli_epi32(to_bf16_8(v), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}

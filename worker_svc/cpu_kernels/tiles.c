@@ -34,6 +34,7 @@
 
 #include "isa.h"
 #include "quant.h"
+#include "simd.h"
 #include "xquant.h"
 
 enum { TILE = 16, MR = ISA_VNNI ? 8 : 4, STRIPS = TILE / W };
@@ -236,6 +237,13 @@ typedef struct __attribute__((aligned(64))) {
     uint8_t rows[16];
 } TileConfig;
 
+// ldtilecfg with the whole of *c written first: GCC's _tile_loadconfig names only its first 8 bytes as read, so
+// the stores of a configuration built on the stack can be dropped as dead (rows 0: the next tile op faults).
+static inline void load_tile_config(const TileConfig *c) {
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(c);
+}
+
 // Per thread. Tiles 0, 1 and 5, 6: C, the sums of x's two passes (16 rows of x x 16 W rows, int32) for even and
 // odd blocks; 2, 3: A, x's passes (16 rows x 32 int8); 4 and 7: B, a block of 16 W rows for even and odd blocks
 // (8 k-groups x 16 rows x 4 bytes).
@@ -246,7 +254,7 @@ static void amx_configure(void) {
     for (int t = 0; t < 8; t++) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
     c.colsb[2] = c.colsb[3] = QK;
     c.rows[4] = c.rows[7] = 8;
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 // A group's nb blocks of W as B tiles, 512 B each: Q8_0's as they are (signed: tdpbssd, no offset), Q4's nibbles
@@ -344,12 +352,12 @@ static void amx_rows_any(int type, int passes, const uint8_t *bw, const uint8_t 
 // of y still does not depend on its batch. No block scales: a tile of sums stays in its register over all of K,
 // and is stored once. x's rows come in tiles of 16 (rows past M zero); two tiles of x and two groups of W an
 // item (4 sums, each tile loaded once for two products).
-static void amx_bf16_configure(void) {
+void tile_bf16_configure(void) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;  // 0-3 C, 4-5 A (x), 6-7 B (W)
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 // C tiles (MT rows of tiles of x x NT groups of W) over all of K: x's tiles at xb (rows passes * K values apart),
@@ -437,7 +445,7 @@ static void amx_bf16_gemm(int passes, uint16_t *xb, int64_t M, int64_t K, const 
                   rpairs = (row_tiles + 1) / 2, second = swiglu ? swiglu / TILE * group_bytes : group_bytes;
 #pragma omp parallel
     {
-        amx_bf16_configure();
+        tile_bf16_configure();
         float c[4 * 256] __attribute__((aligned(64)));
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < pairs * rpairs; item++) {
@@ -641,18 +649,6 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-// 8 floats -> bf16, rounded to nearest even (a NaN stays a NaN, made quiet), each in the high half of its 32-bit
-// lane (the low half zero: the bf16 value as fp32).
-static inline __m256i to_bf16_8(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v), ones = _mm256_set1_epi32(1);
-    const __m256i up = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), ones));
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
-                                           _mm256_set1_epi32(0x7F800000));
-    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
-    return _mm256_and_si256(_mm256_blendv_epi8(up, quiet, nan), _mm256_set1_epi32((int)0xFFFF0000));
-}
-
 // 16 values of the high halves of a and b's lanes, in order, as bf16.
 static inline void store_bf16_16(uint16_t *out, __m256i a, __m256i b) {
     const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));  // per 128 bits
@@ -731,7 +727,7 @@ static void amx_wide_gemm(int type, uint16_t *xb, int64_t M, int64_t K, const ui
     const int64_t pairs = swiglu ? swiglu / TILE : (groups + 1) / 2, row_tiles = padded / AMX_ROWS;
 #pragma omp parallel
     {
-        amx_bf16_configure();
+        tile_bf16_configure();
         uint16_t *w0 = (uint16_t *)(buffers + omp_get_thread_num() * stride), *w1 = w0 + K * TILE;
         float c[4 * 256] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic)
