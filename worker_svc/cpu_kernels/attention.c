@@ -392,13 +392,6 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
-// Two fp32 vectors (lanes n) as one of bf16 pairs: lane n holds (lo[n], hi[n]), lo in the low half.
-static inline __attribute__((always_inline)) __m512i bf16_pairs(__m512 lo, __m512 hi) {
-    static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
 // Bytes of a thread's work memory for head size D.
 static int64_t amx_run_bytes(int64_t D) {
     return AMX_QTILES * (D / 32) * 1024      // q^T: per query tile, D / 32 B tiles

@@ -95,6 +95,14 @@ typedef __m256 vf;
 // products each); tiles.c uses them for 16 rows of x at a time.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && ISA_VNNI
 #define ISA_AMX 1
+
+// Two fp32 vectors (lanes n) as one of bf16 pairs, each value rounded to nearest even: lane n holds (lo[n], hi[n]),
+// lo in the low half, the layout of an AMX-BF16 B tile's row (tiles.c's widened weights, attention.c's P).
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
 #else
 #define ISA_AMX 0
 #endif

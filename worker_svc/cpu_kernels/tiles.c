@@ -685,9 +685,6 @@ enum { WIDE_ROWS = AMX_ROWS };
 // value as the fp32 product expands it (expand_group: what gguf-py gives), rounded to nearest bf16.
 static inline __attribute__((always_inline)) void wide_group(int type, const uint8_t *group, int64_t nb,
                                                              uint16_t *out) {
-    static const int16_t order_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i order = _mm512_loadu_si512(order_idx);  // lane 2n + i: row n's input 2p + i
     const int64_t qstride = tile_quant_bytes(type);
     const uint8_t *d = group + nb * qstride, *mins = d + nb * TILE * 2;
     const uint8_t *q = group;
@@ -701,8 +698,8 @@ static inline __attribute__((always_inline)) void wide_group(int type, const uin
             vf w[4];
             expand_group(type, u, scale, min, w);
             uint16_t *pair = out + (b * QK + 4 * j) * TILE;
-            _mm512_store_si512(pair, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0])));
-            _mm512_store_si512(pair + 32, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2])));
+            _mm512_store_si512(pair, bf16_pairs(w[0], w[1]));  // lane n: row n's inputs 4j, 4j + 1
+            _mm512_store_si512(pair + 32, bf16_pairs(w[2], w[3]));
         }
     }
 }
