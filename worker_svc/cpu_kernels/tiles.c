@@ -656,8 +656,25 @@ static inline void store_bf16_16(uint16_t *out, __m256i a, __m256i b) {
 }
 
 // x (M, K) -> (M, passes, K) bf16: each value rounded, and with two passes what the first left, rounded (K is a
-// multiple of 32).
+// multiple of 32). With AVX512-BF16, 32 values an instruction (vcvtne2ps2bf16: the same rounding, but a
+// denormal counts as 0; a tenth of the instructions, and 5 % of a bf16 prefill went here).
 static void bf16_rows(const float *x, int64_t M, int64_t K, int passes, uint16_t *xb) {
+#if ISA_BF16
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m512 v0 = _mm512_loadu_ps(x + m * K + k), v1 = _mm512_loadu_ps(x + m * K + k + 16);
+            const __m512bh h = _mm512_cvtne2ps_pbh(v1, v0);
+            _mm512_storeu_si512(xb + m * passes * K + k, (__m512i)h);
+            if (passes == 2) {  // what the first pass left: the bf16 value as fp32 is its bits shifted up
+                const __m512i wide0 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)h)), 16);
+                const __m512i wide1 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)h, 1)), 16);
+                _mm512_storeu_si512(xb + m * passes * K + K + k,
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, _mm512_castsi512_ps(wide1)),
+                                                                 _mm512_sub_ps(v0, _mm512_castsi512_ps(wide0))));
+            }
+        }
+#else
 #pragma omp parallel for schedule(static) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < K; k += 16) {
@@ -668,6 +685,7 @@ static void bf16_rows(const float *x, int64_t M, int64_t K, int passes, uint16_t
                 store_bf16_16(xb + m * passes * K + K + k, to_bf16_8(_mm256_sub_ps(v0, _mm256_castsi256_ps(h0))),
                               to_bf16_8(_mm256_sub_ps(v1, _mm256_castsi256_ps(h1))));
         }
+#endif
 }
 
 // ---------------------------------------------------------------- quantized weights widened to bf16 (AMX)
