@@ -187,6 +187,27 @@ def test_the_fused_swiglu_gives_the_bits_of_the_product_then_silu_mul(qtype):
         assert cpu_kernels.swiglu_gemm(x, qweight, int(qtype), intermediate, 2) is None
 
 
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values (..., D) as a cache of ``dtype`` holds them: rounded to fp16 or bf16, or as int8 in blocks of 32 with
+    their scales after the row (``cpu_kernels.kv_width``), what attention.c's store_i8 computes: scale = max |x| /
+    127, q = x * (127 / max |x|) rounded to nearest even (the same fp32 operations)."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    blocks = x.unflatten(-1, (-1, cpu_kernels.I8_BLOCK))
+    top = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    q = torch.round(blocks * inv).to(torch.int8).flatten(-2)
+    return torch.cat([q, (top / 127.0).view(torch.int8).flatten(-2)], dim=-1)
+
+
+def _from_cache(c: torch.Tensor, dtype: torch.dtype, d: int) -> torch.Tensor:
+    """The fp32 values (..., d) a cache of ``dtype`` holds (int8: q times its block's scale)."""
+    if dtype != torch.int8:
+        return c.float()
+    scales = c[..., d:].contiguous().view(torch.float32)
+    return (c[..., :d].float().unflatten(-1, (-1, cpu_kernels.I8_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
+
+
 def _reference_attention(q, k_cache, v_cache, tables, token_seq, token_pos):
     """Token by token: gather the context through the block table, softmax(q k^T / sqrt(d)) v."""
     _, block_size, hkv, d = k_cache.shape
@@ -206,10 +227,18 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
                      dtype=torch.float32):
     """RoPE, the cache write and attention for the tokens given (``prompt``: which are prompt tokens), against
     PyTorch; the cache in ``dtype`` (fp16: each K and V value rounded to nearest as PyTorch rounds it, the
-    reference attending to those values in fp32; bf16 likewise)."""
+    reference attending to those values in fp32; bf16 likewise; int8: each row as store_i8 quantizes it)."""
+    if dtype == torch.int8 and d % cpu_kernels.I8_BLOCK:  # int8 rows are blocks of 32 values with a scale each
+        with pytest.raises(ValueError, match="multiple of 32"):
+            cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=torch.int8)
+            cpu_kernels.attention(torch.zeros(len(token_seq), (heads + 2 * hkv) * d), heads, torch.zeros(64, d),
+                                  torch.zeros(64, d), cache, cache.clone(), torch.zeros(len(token_seq), dtype=torch.long),
+                                  torch.zeros(3, 1, dtype=torch.int32), torch.tensor(token_seq, dtype=torch.int32),
+                                  torch.zeros(len(token_seq), dtype=torch.int32))
+        return
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    k_cache = _to_cache(torch.randn(num_blocks, block_size, hkv, d, generator=g), dtype)
+    v_cache = _to_cache(torch.randn(num_blocks, block_size, hkv, d, generator=g), dtype)
     per_seq = num_blocks // 3
     tables = torch.randperm(num_blocks, generator=g)[: 3 * per_seq].to(torch.int32).view(3, per_seq)
     token_seq = torch.tensor(token_seq, dtype=torch.int32)
@@ -230,23 +259,26 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
         return x * c + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * s
 
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    k_ref.view(-1, hkv, d)[slots] = rope(k, hkv).to(dtype)
-    v_ref.view(-1, hkv, d)[slots] = v.view(T, hkv, d).to(dtype)
-    expected = _reference_attention(rope(q, heads), k_ref.float(), v_ref.float(), tables, token_seq, token_pos)
+    k_ref.view(-1, hkv, k_cache.shape[-1])[slots] = _to_cache(rope(k, hkv), dtype)
+    v_ref.view(-1, hkv, v_cache.shape[-1])[slots] = _to_cache(v.view(T, hkv, d), dtype)
+    k_values, v_values = _from_cache(k_ref, dtype, d), _from_cache(v_ref, dtype, d)
+    expected = _reference_attention(rope(q, heads), k_values, v_values, tables, token_seq, token_pos)
     flags = None if prompt is None else torch.tensor(prompt, dtype=torch.uint8)
     out = cpu_kernels.attention(qkv.clone(), heads, cos, sin, k_cache, v_cache, slots, tables, token_seq, token_pos,
                                 flags)
     torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
     out = out.view(T, heads, d)
-    if dtype == torch.bfloat16 and prompt is not None and cpu_kernels.isa() == "amx" and d % 32 == 0:
-        # prompt tokens against a bf16 cache in AMX-BF16 tiles: q (scaled) rounded to bf16, then the softmax's
-        # weights, each within 2^-9 of itself (the sum they are divided by is not rounded): the output is within
-        # 2^-9 max |v| of the same attention with that q
+    if dtype in (torch.bfloat16, torch.int8) and prompt is not None and cpu_kernels.isa() == "amx" and d % 32 == 0:
+        # prompt tokens against a bf16 or int8 cache in AMX-BF16 tiles: q (scaled) and K and V rounded to bf16
+        # (an int8 cache's values times their scale), then the softmax's weights, each within 2^-9 of itself (the
+        # sum they are divided by is not rounded): the output is within 2^-9 max |v| of the same attention with
+        # those q, K and V
         tiles = torch.tensor(prompt, dtype=torch.bool)
         q_tiles = (rope(q, heads) * d**-0.5).bfloat16().float() * d**0.5
-        expected_tiles = _reference_attention(q_tiles, k_ref.float(), v_ref.float(), tables, token_seq, token_pos)
-        bound = 2**-9 * v_ref.float().abs().max().item() + 1e-5
+        k_tiles, v_tiles = k_values.bfloat16().float(), v_values.bfloat16().float()
+        expected_tiles = _reference_attention(q_tiles, k_tiles, v_tiles, tables, token_seq, token_pos)
+        bound = 2**-9 * v_tiles.abs().max().item() + 1e-5
         torch.testing.assert_close(out[tiles], expected_tiles[tiles], atol=bound, rtol=0)
         out, expected = out[~tiles], expected[~tiles]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -286,8 +318,8 @@ def test_a_prompt_tokens_attention_does_not_depend_on_the_tokens_beside_it(dtype
     change them. A 70-token prompt in one call, then in four calls splitting it at 5, 37 and 38."""
     g = torch.Generator().manual_seed(3)
     d, heads, hkv, block_size, n = 64, 9, 3, 16, 70
-    k_cache = torch.zeros(8, block_size, hkv, d).to(dtype)
-    v_cache = torch.zeros(8, block_size, hkv, d).to(dtype)
+    k_cache = _to_cache(torch.zeros(8, block_size, hkv, d), dtype)
+    v_cache = _to_cache(torch.zeros(8, block_size, hkv, d), dtype)
     tables = torch.randperm(8, generator=g).to(torch.int32).view(1, 8)
     pos = torch.arange(n, dtype=torch.int32)
     seq = torch.zeros(n, dtype=torch.int32)
@@ -316,6 +348,7 @@ def test_a_few_long_decodes_split_their_keys_over_threads_and_merge_exactly(hkv)
         _check_attention(64, 3 * hkv, hkv, [0], [1500], block_size=16, num_blocks=300)
         _check_attention(64, 3 * hkv, hkv, [0, 1], [1100, 0], block_size=16, num_blocks=300, seed=1,
                          dtype=torch.float16)
+        _check_attention(64, 3 * hkv, hkv, [1, 0], [900, 700], block_size=16, num_blocks=300, seed=2, dtype=torch.int8)
     finally:
         torch.set_num_threads(before)
 

@@ -12,13 +12,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import conveyor_command, free_port, make_runner, spawn, stop, wait_serving
 
+from conveyor.errors import ConfigError
 from conveyor.link import Link, LinkError
 from conveyor.params import SamplingParams
 from conveyor.v1 import worker_pb2 as pb
 from conveyor.v1 import worker_pb2_grpc
 from conveyor.v1.conveyor_pb2 import SamplingOptions
 from worker_svc import cpu_kernels
-from worker_svc.kv_cache import bytes_per_block
+from worker_svc.kv_cache import bytes_per_block, kv_dtype
 from worker_svc.loader import load_model
 from worker_svc.runner import SeqChunk, StepInput
 
@@ -319,6 +320,39 @@ def test_the_kv_cache_holds_fp16_under_the_fast_numerics_and_fp32_under_exact(de
             prompt = fast.tokenizer.encode("The capital of Spain is")
             assert _generate(served, "f", prompt, range(4), 8, SamplingOptions(temperature=0.0)) == _reference(
                 fast, prompt, 8, SamplingParams(temperature=0.0))
+    finally:
+        stop(proc)
+
+
+def test_an_int8_kv_cache_holds_nearly_twice_fp16s_tokens_and_serves_the_in_process_tokens():
+    """--kv-cache-dtype int8: each head's row of K and V in int8, a scale (fp32) per 32 values after it: 72 bytes
+    for fp16's 128, so 64M holds 1.78x the blocks; a served prompt gives the tokens of an in-process runner over
+    such a cache. A head dimension that is not a multiple of 32 is refused with a ConfigError that names it."""
+    fast = load_model("default", numerics="fast")
+    assert fast.kv_dtype("int8") == torch.int8
+    with pytest.raises(ConfigError, match=r"head dimension \(40\) is not a multiple of 32"):
+        kv_dtype("int8", "native", "fast", torch.float32, 40)
+    assert bytes_per_block(fast.config, 16, torch.int8) == 2 * 30 * 16 * 3 * (64 + 2 * 4)
+    runner = make_runner(fast, num_blocks=16, kv_cache_dtype="int8")
+    assert runner.cache.k[0].dtype == torch.int8 and runner.cache.k[0].shape[-1] == 64 + 2 * 4
+    greedy = SamplingParams(temperature=0.0)
+    prompt = fast.tokenizer.encode("The capital of Spain is")
+    expected = [runner.step(StepInput([SeqChunk("r", prompt, 0, new_block_ids=list(range(8)), sample=True,
+                                                sampling=greedy, num_prompt_tokens=len(prompt))]))[0].sampled.token_id]
+    for i in range(7):
+        expected.append(runner.step(StepInput([SeqChunk("r", [expected[-1]], len(prompt) + i, sample=True)]))[0]
+                        .sampled.token_id)
+    port = free_port()
+    proc = spawn("serve", "worker", "--port", str(port), "--kv-cache-bytes", "64M", "--numerics", "fast",
+                 "--kv-cache-dtype", "int8")
+    try:
+        wait_serving(f"127.0.0.1:{port}", "conveyor.v1.Worker", proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            served = worker_pb2_grpc.WorkerStub(channel)
+            info = served.Info(pb.InfoRequest())
+            assert info.block_bytes == bytes_per_block(fast.config, 16, torch.int8)
+            assert info.num_blocks == KV_BYTES // info.block_bytes > 1.7 * (KV_BYTES // (2 * 30 * 16 * 3 * 64 * 2))
+            assert _generate(served, "q", prompt, range(4), 8, SamplingOptions(temperature=0.0)) == expected
     finally:
         stop(proc)
 

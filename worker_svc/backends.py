@@ -156,8 +156,10 @@ class Native(Backend):
             """The address of a tensor's memory, which the stack then reads (and the KV cache's, writes)."""
             if t is None:
                 return None
-            if not t.is_contiguous() or t.dtype not in (torch.float32, torch.uint8, torch.float16, torch.bfloat16):
-                raise ValueError(f"the native decoder stack needs contiguous fp32, fp16, bf16 or uint8 tensors, got {t.dtype}")
+            if not t.is_contiguous() or t.dtype not in (torch.float32, torch.uint8, torch.int8, torch.float16,
+                                                        torch.bfloat16):
+                raise ValueError(f"the native decoder stack needs contiguous fp32, fp16, bf16, uint8 or int8 tensors, "
+                                 f"got {t.dtype}")
             keep.append(t)
             return t.data_ptr()
 

@@ -19,18 +19,23 @@ CPU_DEFAULT_FRACTION = 0.25  # of available RAM when --kv-cache-bytes is not giv
 CPU_DEFAULT_CAP = 2 << 30
 
 
-def kv_dtype(setting: str, backend: str, numerics: str, dtype: torch.dtype) -> torch.dtype:
+def kv_dtype(setting: str, backend: str, numerics: str, dtype: torch.dtype, head_dim: int) -> torch.dtype:
     """The cache's dtype under ``--kv-cache-dtype setting`` for a model computing in ``dtype`` with ``backend``
     (``backends.choose``'s name). auto, with the native backend: fp16 under fast and int8 (half the bytes a
     decode's attention reads, and twice the tokens in the same memory; llama.cpp's default too), bf16 under bf16
     where the kernels have AMX (vLLM's cache; a prompt's attention products then run in AMX-BF16 tiles; without
     AMX bf16 is fast, fp16 too), ``dtype`` under exact (fp32: its
-    logits match transformers'). The PyTorch backends attend in ``dtype`` only."""
+    logits match transformers'). int8 only when asked (a head's row in int8, a scale per 32 values: 9/16 of fp16's
+    bytes, so 1.78x the tokens, at a cost in accuracy; a prompt's attention in AMX-BF16 tiles where the kernels
+    have AMX). The PyTorch backends attend in ``dtype`` only."""
     if setting == "auto":
         if backend != "native" or numerics == "exact":
             return dtype
         return torch.bfloat16 if numerics == "bf16" and cpu_kernels.isa() == "amx" else torch.float16
     chosen = getattr(torch, setting)
+    if chosen == torch.int8 and head_dim % cpu_kernels.I8_BLOCK:
+        raise ConfigError(f"--kv-cache-dtype int8: the model's head dimension ({head_dim}) is not a multiple of "
+                         f"{cpu_kernels.I8_BLOCK}, the values an int8 row's scale covers")
     if backend != "native" and chosen != dtype:
         raise ConfigError(f"--kv-cache-dtype {setting}: the {backend} backend keeps its KV cache in the compute dtype "
                          f"({str(dtype).removeprefix('torch.')}); other cache dtypes need --attention native")
@@ -38,9 +43,9 @@ def kv_dtype(setting: str, backend: str, numerics: str, dtype: torch.dtype) -> t
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for ``block_size`` tokens."""
+    """K and V of every layer for ``block_size`` tokens (an int8 row's scale included)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cpu_kernels.kv_width(dtype, cfg.head_dim) * itemsize
 
 
 def available_cpu_bytes() -> int:
@@ -97,7 +102,7 @@ class KVCache:
         # Uninitialised on purpose (zeroing GiBs costs seconds on a CPU): the CPU kernels and SDPA only
         # ever read slots written earlier, padding included (the runner points padding at real slots).
         # Flex attention does touch unwritten slots (with a zero weight): its runner zeroes the cache.
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cpu_kernels.kv_width(dtype, cfg.head_dim))
         k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         return cls(k, v, block_size, num_blocks)

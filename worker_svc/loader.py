@@ -51,7 +51,8 @@ class LoadedModel:
     def kv_dtype(self, setting: str = "auto", attention: str = "auto") -> torch.dtype:
         """The KV cache's dtype under ``--kv-cache-dtype setting`` (``kv_cache.kv_dtype``) for this model, its
         numerics and the backend ``--attention attention`` picks for it."""
-        return kv_dtype(setting, backends.choose(attention, self.model), self.numerics, self.model.norm.weight.dtype)
+        return kv_dtype(setting, backends.choose(attention, self.model), self.numerics, self.model.norm.weight.dtype,
+                        self.config.head_dim)
 
     def weight_formats(self) -> str:
         """The formats the packed layers keep their weights in, e.g. "Q4_1, Q8_0" or "BF16"."""

@@ -352,14 +352,17 @@ def attention(
     """Everything between the qkv and output projections, for a flat batch of T new tokens.
 
     qkv: (T, (H + 2 Hkv) * D) fp32, modified in place (RoPE on q and k); cos, sin: (P, D) tables;
-    caches: (num_blocks, block_size, Hkv, D) fp32, fp16 or bf16 (``KV_DTYPES``), k and v of each token written at
-    ``slot_mapping``;
+    caches: (num_blocks, block_size, Hkv, kv_width) of a dtype of ``KV_DTYPES`` (``kv_width``: D, and an int8 row's
+    scales), k and v of each token written at ``slot_mapping``;
     block_tables: (B, max_blocks) int32; token_seq, token_pos: (T,) int32; token_prompt: (T,) uint8, 1 for a
     token of its sequence's prompt (None: none is; see attention.c). Each token attends to its sequence's keys at
     positions 0..token_pos. Returns (T, H * D).
     """
     lib = _lib()
-    _blocks, block_size, hkv, d = k_cache.shape
+    _blocks, block_size, hkv, _width = k_cache.shape
+    d = qkv.shape[1] // (num_heads + 2 * hkv)
+    if k_cache.dtype == torch.int8 and d % I8_BLOCK:
+        raise ValueError(f"an int8 KV cache needs a head dimension that is a multiple of {I8_BLOCK}, not {d}")
     t = qkv.shape[0]
     qkv = qkv.contiguous()
     kind = kv_kind(k_cache.dtype)
@@ -377,15 +380,25 @@ def attention(
     return out
 
 
-# what the kernels' KV cache may hold, in attention.c's order (KV_F32, KV_F16, KV_BF16); a prompt's tokens attend
-# to a bf16 cache in AMX-BF16 tiles where the CPU has them (q and the softmax's weights rounded to bf16 too)
-KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# what the kernels' KV cache may hold, in attention.c's order (KV_F32, KV_F16, KV_BF16, KV_I8); a prompt's tokens
+# attend to a bf16 or int8 cache in AMX-BF16 tiles where the CPU has them (q, an int8 cache's values and the
+# softmax's weights rounded to bf16 too)
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
+
+
+I8_BLOCK = 32  # an int8 cache's values per scale (attention.c)
+
+
+def kv_width(dtype: torch.dtype, head_dim: int) -> int:
+    """The last dimension of a cache of ``dtype``: a head's D values, and for int8 their scales after them (fp32,
+    one per block of I8_BLOCK values: D + D / 8 bytes)."""
+    return head_dim + head_dim // I8_BLOCK * 4 if dtype == torch.int8 else head_dim
 
 
 def kv_kind(dtype: torch.dtype) -> int:
-    """The kernels' code for a KV cache of ``dtype``: 0 fp32, 1 fp16, 2 bf16 (any other dtype: ValueError)."""
+    """The kernels' code for a KV cache of ``dtype``: 0 fp32, 1 fp16, 2 bf16, 3 int8 (any other: ValueError)."""
     if dtype not in KV_DTYPES:
-        raise ValueError(f"the CPU kernels' KV cache holds float32, float16 or bfloat16, not {dtype}")
+        raise ValueError(f"the CPU kernels' KV cache holds float32, float16, bfloat16 or int8, not {dtype}")
     return KV_DTYPES.index(dtype)
 
 

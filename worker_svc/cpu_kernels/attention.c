@@ -26,29 +26,49 @@
 #include "simd.h"
 
 // The cache holds fp32 values, or fp16 or bf16 ones (``kv``: KV_F16, KV_BF16; --kv-cache-dtype float16 or
-// bfloat16, half the bytes a decode's attention reads, which at 8-32 streams is most of its time); each is read as
-// fp32 vectors, so the arithmetic after the load is the same. ``index`` counts values.
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+// bfloat16, half the bytes a decode's attention reads, which at 8-32 streams is most of its time), or int8 ones;
+// each is read as fp32 vectors, so the arithmetic after the load is the same. ``index`` counts values (bytes for
+// int8).
+// KV_I8 (--kv-cache-dtype int8): a head's row is its D values as int8 in blocks of I8_BLOCK, then each block's
+// scale (fp32): value = q * scale, scale = max |x| / 127 over the block, q = x / scale rounded to nearest, as
+// llama.cpp's q8_0 (D a multiple of I8_BLOCK); 9/16 of fp16's bytes. Values are read as fp32 times their scale.
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };
+enum { I8_BLOCK = 32 };
+
+static inline __attribute__((always_inline)) int64_t kv_bytes(int kv) { return kv == KV_F32 ? 4 : kv == KV_I8 ? 1 : 2; }
+
+// Values (of kv_bytes each) between one head's row and the next: D, and with int8 the scales' bytes too.
+static inline __attribute__((always_inline)) int64_t kv_head(int64_t D, int kv) {
+    return kv == KV_I8 ? D + D / I8_BLOCK * 4 : D;
+}
 
 static inline __attribute__((always_inline)) const void *kv_at(const void *cache, int64_t index, int kv) {
-    return (const char *)cache + index * (kv ? 2 : 4);
+    return (const char *)cache + index * kv_bytes(kv);
 }
 
 static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int kv) {
     if (kv == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     if (kv == KV_BF16)  // a bf16 value is the high half of its fp32 value
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    if (kv == KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     return _mm256_loadu_ps((const float *)p);
+}
+
+// Values d .. d + 7 of the head's row at ``row`` as fp32 (an int8 row's times their block's scale).
+static inline __attribute__((always_inline)) __m256 kv_row8(const void *row, int64_t d, int64_t D, int kv) {
+    const __m256 v = kv_load8(kv_at(row, d, kv), kv);
+    if (kv != KV_I8) return v;
+    return _mm256_mul_ps(v, _mm256_broadcast_ss((const float *)((const char *)row + D) + d / I8_BLOCK));
 }
 
 static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, int kv) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_load8(kv_at(b, d, kv), kv), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), kv_load8(kv_at(b, d + 8, kv), kv), acc1);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_row8(b, d, D, kv), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), kv_row8(b, d + 8, D, kv), acc1);
     }
-    for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_load8(kv_at(b, d, kv), kv), acc0);
+    for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_row8(b, d, D, kv), acc0);
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
@@ -120,7 +140,7 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
             for (int64_t o = o0; j < stop; o++, j++) {
                 const __m256 pj = _mm256_set1_ps(p[j - j0]);
                 for (int64_t d = 0; d < D / 8; d++)
-                    acc[d] = _mm256_fmadd_ps(pj, kv_load8(kv_at(vb, o * row + 8 * d, kv), kv), acc[d]);
+                    acc[d] = _mm256_fmadd_ps(pj, kv_row8(kv_at(vb, o * row, kv), 8 * d, D, kv), acc[d]);
             }
         }
         for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(out + g * D + 8 * d, acc[d]);
@@ -139,7 +159,14 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int
     if (kv == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     if (kv == KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    if (kv == KV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     return _mm512_loadu_ps((const float *)p);
+}
+
+static inline __attribute__((always_inline)) __m512 kv_row16(const void *row, int64_t d, int64_t D, int kv) {
+    const __m512 v = kv_load16(kv_at(row, d, kv), kv);
+    if (kv != KV_I8) return v;
+    return _mm512_mul_ps(v, _mm512_set1_ps(((const float *)((const char *)row + D))[d / I8_BLOCK]));
 }
 
 // Rows [j0, j1) of a cache (D floats of one head each) fetched toward L1 ahead of their use: the blocks of a
@@ -149,7 +176,7 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void *cach
                                                                  int64_t D, int kv) {
     for (int64_t key = j0; key < j1; key++) {
         const char *at = (const char *)kv_at(cache, slot_of(table, key, block_size) * row, kv);
-        for (int64_t b = 0; b < D * (kv ? 2 : 4); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < kv_head(D, kv) * kv_bytes(kv); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
     }
 }
 
@@ -184,7 +211,7 @@ static inline __attribute__((always_inline)) void weigh_values(int gh, const voi
             const void *vr = kv_at(vb, o * row, kv);
             if (j + AHEAD < j1) prefetch_rows(v_cache, table, j + AHEAD, j + AHEAD + 1, block_size, row, D, kv);
             for (int64_t d = 0; d < D / 16; d++) {
-                const __m512 v = kv_load16(kv_at(vr, 16 * d, kv), kv);
+                const __m512 v = kv_row16(vr, 16 * d, D, kv);
                 for (int g = 0; g < gh; g++)
                     acc[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j - j0]), v, acc[g][d]);
             }
@@ -214,9 +241,9 @@ static inline __attribute__((always_inline)) void attend16(const float *qt, cons
         for (int64_t g = 0; g < G; g++) {
             __m512 v[16];
             for (int i = 0; i < 16; i++) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt + g * D), kv_load16(kr[i], kv));
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt + g * D), kv_row16(kr[i], 0, D, kv));
                 for (int64_t d = 16; d < D; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + g * D + d), kv_load16(kv_at(kr[i], d, kv), kv), acc);
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + g * D + d), kv_row16(kr[i], d, D, kv), acc);
                 v[i] = acc;
             }
             _mm512_mask_storeu_ps(scores + g * n + j - j0, keep, _mm512_mul_ps(sum16(v), vscale));
@@ -257,6 +284,7 @@ static void attend_any_d(const float *qt, const void *kc, const void *vc, const 
                          float *mx, float *sum, int kv) {
     if (kv == KV_F16) attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, KV_F16);
     else if (kv == KV_BF16) attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, KV_BF16);
+    else if (kv == KV_I8) attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, KV_I8);
     else attend_d(qt, kc, vc, table, j0, j1, block_size, row, G, D, scale, scores, out, mx, sum, KV_F32);
 }
 
@@ -299,10 +327,10 @@ static inline __attribute__((always_inline)) void flash_run(const float *q, int6
     for (int64_t j0 = 0; j0 < ctx; j0 += KEYS) {
         for (int j = 0; j < KEYS; j++) {  // the tile's keys and values side by side; past the context, key 0's
             const int64_t key = j0 + j < ctx ? j0 + j : 0;
-            const int64_t at = slot_of(table, key, block_size) * row + kvh * D;
+            const int64_t at = slot_of(table, key, block_size) * row + kvh * kv_head(D, kv);
             for (int64_t d = 0; d < D; d += 8) {  // D is a multiple of 8
-                _mm256_storeu_ps(kt + j * D + d, kv_load8(kv_at(k_cache, at + d, kv), kv));
-                _mm256_storeu_ps(vt + j * D + d, kv_load8(kv_at(v_cache, at + d, kv), kv));
+                _mm256_storeu_ps(kt + j * D + d, kv_row8(kv_at(k_cache, at, kv), d, D, kv));
+                _mm256_storeu_ps(vt + j * D + d, kv_row8(kv_at(v_cache, at, kv), d, D, kv));
             }
         }
         __m512 s[KEYS];
@@ -355,6 +383,7 @@ static void flash_run_any_d(const float *q, int64_t q_stride, const void *k_cach
     } while (0)
     if (kv == KV_F16) FLASH_D(KV_F16);
     else if (kv == KV_BF16) FLASH_D(KV_BF16);
+    else if (kv == KV_I8) FLASH_D(KV_I8);
     else FLASH_D(KV_F32);
 #undef FLASH_D
 #undef FLASH
@@ -362,8 +391,9 @@ static void flash_run_any_d(const float *q, int64_t q_stride, const void *k_cach
 #endif
 
 #if ISA_AMX
-// A prompt's runs under a bf16 cache (--kv-cache-dtype bfloat16, what --numerics bf16 keeps), in AMX-BF16 tiles:
-// the products of flash attention in bf16 with fp32 sums, as vLLM computes them. A run's rows (up to AMX_RUN_ROWS:
+// A prompt's runs under a bf16 cache (--kv-cache-dtype bfloat16, what --numerics bf16 keeps), or an int8 one (its
+// values widened to bf16 on the way in), in AMX-BF16 tiles: the products of flash attention in bf16 with fp32 sums,
+// as vLLM computes them. A run's rows (up to AMX_RUN_ROWS:
 // consecutive tokens of one sequence x the G heads of one KV head) go in query tiles of 16, each against the keys
 // 32 at a time:
 //   S^T = K Q^T: A is 16 keys x 32 of their values, loaded from the cache as it lies (a block's keys are a fixed
@@ -411,12 +441,20 @@ static int64_t amx_run_bytes(int64_t D) {
            + AMX_KEYS * 16 * 4 + 1024;       // S^T, P
 }
 
-// Tokens t0 .. t0 + n - 1 (positions p0 .. of one sequence, n * G <= AMX_RUN_ROWS), KV head kvh; bf16 cache.
-static inline __attribute__((always_inline)) void amx_run(const float *q, int64_t q_stride, const uint16_t *k_cache,
-                                                           const uint16_t *v_cache, const int32_t *table, int64_t t0,
+// Values d .. d + 31 of the head's row at ``row`` as bf16, in order: a bf16 cache's as they lie, an int8 cache's
+// times their block's scale, rounded to bf16.
+static inline __attribute__((always_inline)) __m512i bf16_32(const void *row, int64_t d, int64_t D, int kv) {
+    if (kv == KV_BF16) return _mm512_loadu_si512((const uint16_t *)row + d);
+    return (__m512i)_mm512_cvtne2ps_pbh(kv_row16(row, d + 16, D, kv), kv_row16(row, d, D, kv));
+}
+
+// Tokens t0 .. t0 + n - 1 (positions p0 .. of one sequence, n * G <= AMX_RUN_ROWS), KV head kvh; a bf16 cache, or
+// an int8 one (its keys always gathered, widened to bf16).
+static inline __attribute__((always_inline)) void amx_run(const float *q, int64_t q_stride, const void *k_cache,
+                                                           const void *v_cache, const int32_t *table, int64_t t0,
                                                            int64_t n, int64_t p0, int64_t kvh, int64_t G, int64_t H,
                                                            int64_t D, int64_t block_size, int64_t row, float scale,
-                                                           uint8_t *work, float *out) {
+                                                           uint8_t *work, float *out, int kv) {
     uint8_t *qt = work;                                     // [tile][D / 32][16 pairs x 16 rows x 4 B]
     float *o = (float *)(qt + AMX_QTILES * (D / 32) * 1024);  // [row][D]
     uint8_t *vb = (uint8_t *)(o + AMX_RUN_ROWS * D);        // [D / 16][16 key pairs x 16 values x 4 B]
@@ -462,10 +500,10 @@ static inline __attribute__((always_inline)) void amx_run(const float *q, int64_
         // V's B tiles: row i, lane c = values c of keys j0 + 2i, j0 + 2i + 1 (past the context, key 0's)
         for (int64_t i = 0; i < AMX_KEYS / 2; i++) {
             const int64_t k0 = j0 + 2 * i < ctx ? j0 + 2 * i : 0, k1 = j0 + 2 * i + 1 < ctx ? j0 + 2 * i + 1 : 0;
-            const uint16_t *v0 = v_cache + slot_of(table, k0, block_size) * row + kvh * D;
-            const uint16_t *v1 = v_cache + slot_of(table, k1, block_size) * row + kvh * D;
+            const void *v0 = kv_at(v_cache, slot_of(table, k0, block_size) * row + kvh * kv_head(D, kv), kv);
+            const void *v1 = kv_at(v_cache, slot_of(table, k1, block_size) * row + kvh * kv_head(D, kv), kv);
             for (int64_t d = 0; d < D; d += 32) {
-                const __m512i a = _mm512_loadu_si512(v0 + d), b = _mm512_loadu_si512(v1 + d);
+                const __m512i a = bf16_32(v0, d, D, kv), b = bf16_32(v1, d, D, kv);
                 _mm512_store_si512(vb + (d / 16) * 1024 + 64 * i, _mm512_permutex2var_epi16(a, lo, b));
                 _mm512_store_si512(vb + (d / 16 + 1) * 1024 + 64 * i, _mm512_permutex2var_epi16(a, hi, b));
             }
@@ -475,13 +513,14 @@ static inline __attribute__((always_inline)) void amx_run(const float *q, int64_
         int64_t kstride[2];
         for (int h = 0; h < 2; h++) {
             const int64_t k = j0 + 16 * h;
-            if (k + 16 <= ctx && k % block_size + 16 <= block_size) {
-                ka[h] = k_cache + slot_of(table, k, block_size) * row + kvh * D, kstride[h] = stride;
+            if (kv == KV_BF16 && k + 16 <= ctx && k % block_size + 16 <= block_size) {
+                ka[h] = (const uint16_t *)k_cache + slot_of(table, k, block_size) * row + kvh * D, kstride[h] = stride;
                 continue;
             }
-            for (int64_t j = 0; j < 16; j++) {
+            for (int64_t j = 0; j < 16; j++) {  // an int8 cache's keys always: rounded to bf16 here
                 const int64_t key = k + j < ctx ? k + j : 0;
-                memcpy(kg + (16 * h + j) * D, k_cache + slot_of(table, key, block_size) * row + kvh * D, D * 2);
+                const void *at = kv_at(k_cache, slot_of(table, key, block_size) * row + kvh * kv_head(D, kv), kv);
+                for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(kg + (16 * h + j) * D + d, bf16_32(at, d, D, kv));
             }
             ka[h] = kg + 16 * h * D, kstride[h] = D * 2;
         }
@@ -548,11 +587,17 @@ static inline __attribute__((always_inline)) void amx_run(const float *q, int64_
 
 static void amx_run_any_d(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                           const int32_t *table, int64_t t0, int64_t n, int64_t p0, int64_t kvh, int64_t G, int64_t H,
-                          int64_t D, int64_t block_size, int64_t row, float scale, uint8_t *work, float *out) {
-#define RUN(DD) amx_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, scale, work, out)
-    if (D == 64) RUN(64);
-    else if (D == 128) RUN(128);
-    else RUN(D);
+                          int64_t D, int64_t block_size, int64_t row, float scale, uint8_t *work, float *out,
+                          int kv) {
+#define RUN(DD, KV) amx_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, scale, \
+                            work, out, KV)
+    if (kv == KV_I8) {
+        if (D == 64) RUN(64, KV_I8);
+        else if (D == 128) RUN(128, KV_I8);
+        else RUN(D, KV_I8);
+    } else if (D == 64) RUN(64, KV_BF16);
+    else if (D == 128) RUN(128, KV_BF16);
+    else RUN(D, KV_BF16);
 #undef RUN
 }
 #endif
@@ -565,11 +610,13 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *q_seq, const int32_t *q_pos,
                     const uint8_t *q_prompt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
                     float *out, int kv) {
-    if (D % 8 != 0 || D > MAX_D || Hkv <= 0 || H % Hkv != 0 || kv < KV_F32 || kv > KV_BF16) return -1;
+    if (D % 8 != 0 || D > MAX_D || Hkv <= 0 || H % Hkv != 0 || kv < KV_F32 || kv > KV_I8 ||
+        (kv == KV_I8 && D % I8_BLOCK != 0))
+        return -1;
     const int64_t G = H / Hkv, items = T * Hkv;
     int64_t max_ctx = 0;
     for (int64_t t = 0; t < T; t++) max_ctx = q_pos[t] + 1 > max_ctx ? q_pos[t] + 1 : max_ctx;
-    const int64_t row = Hkv * D;  // values per cache slot
+    const int64_t row = Hkv * kv_head(D, kv);  // values per cache slot
     // key ranges per item: enough items for every thread to get two, ranges of at least MIN_SPLIT_KEYS
     const int64_t threads = omp_get_max_threads();
     int64_t splits = items < 2 * threads ? (2 * threads + items - 1) / items : 1;
@@ -587,7 +634,8 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
 #if defined(__AVX512F__)
     int64_t *run_len = NULL, runs = 0;
 #if ISA_AMX
-    const int amx = q_prompt != NULL && kv == KV_BF16 && D % 32 == 0 && G <= AMX_RUN_ROWS && tile_amx_ready();
+    const int amx = q_prompt != NULL && (kv == KV_BF16 || kv == KV_I8) && D % 32 == 0 && G <= AMX_RUN_ROWS &&
+                    tile_amx_ready();
     const int64_t run_rows = amx ? AMX_RUN_ROWS : LANES;  // query rows a run may hold
 #else
     const int amx = 0;
@@ -628,7 +676,7 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
             for (int64_t item = 0; item < runs * Hkv; item++) {
                 const int64_t t0 = run_start[item / Hkv], kvh = item % Hkv;
                 amx_run_any_d(q, q_stride, k_cache, v_cache, block_tables + (int64_t)q_seq[t0] * max_blocks, t0,
-                              run_len[item / Hkv], q_pos[t0], kvh, G, H, D, block_size, row, scale, work, out);
+                              run_len[item / Hkv], q_pos[t0], kvh, G, H, D, block_size, row, scale, work, out, kv);
             }
             _tile_release();
             free(work);
@@ -653,7 +701,7 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
             if (flash && q_prompt[t]) continue;
             const int32_t *table = block_tables + (int64_t)q_seq[t] * max_blocks;
             const float *qt = q + t * q_stride + kvh * G * D;
-            const void *kc = kv_at(k_cache, kvh * D, kv), *vc = kv_at(v_cache, kvh * D, kv);
+            const void *kc = kv_at(k_cache, kvh * kv_head(D, kv), kv), *vc = kv_at(v_cache, kvh * kv_head(D, kv), kv);
             if (splits == 1) {
                 float *ot = out + (t * H + kvh * G) * D;
                 attend_any_d(qt, kc, vc, table, 0, ctx, block_size, row, G, D, scale, scores, ot, mx, sum, kv);
@@ -704,6 +752,28 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
     return 0;
 }
 
+// One head's D values (a multiple of I8_BLOCK) as an int8 row: per block of I8_BLOCK, q = x * (127 / max |x|)
+// rounded to nearest (even), its scale max |x| / 127 after the row's values (0, and q = 0, for a block of zeros).
+static void store_i8(int8_t *dst, const float *x, int64_t D) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t b = 0; b < D; b += I8_BLOCK) {
+        __m256 top = _mm256_setzero_ps();
+        for (int64_t d = b; d < b + I8_BLOCK; d += 8)
+            top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + d), abs_mask));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (int64_t d = b; d < b + I8_BLOCK; d += 8) {
+            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + d), vinv));  // |q| <= 127
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            _mm_storel_epi64((__m128i *)(dst + d), _mm_packs_epi16(w, w));
+        }
+        memcpy(dst + D + b / I8_BLOCK * 4, &scale, 4);
+    }
+}
+
 // Rotary embedding (halves layout, as in HF weights) on the q and k heads of each row of qkv, in
 // place, then k and v copied into their cache slots. qkv: (T, (H + 2 Hkv) * D); cos, sin: (P, D)
 // tables indexed by position. Same arithmetic as x * cos + rotate_half(x) * sin. With ``kv`` KV_F16 or KV_BF16
@@ -724,6 +794,13 @@ void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const 
             }
         }
         const int64_t n = Hkv * D;
+        if (kv == KV_I8 && D % I8_BLOCK != 0) continue;  // not a layout of this kind (paged_attention says so)
+        if (kv == KV_I8) {
+            for (int64_t h = 0; h < 2 * Hkv; h++)  // K's heads, then V's
+                store_i8((int8_t *)(h < Hkv ? k_cache : v_cache) + (slots[t] * Hkv + h % Hkv) * kv_head(D, KV_I8),
+                         row + (H + h) * D, D);
+            continue;
+        }
         if (kv == KV_F32) {
             memcpy((float *)k_cache + slots[t] * n, row + H * D, n * sizeof(float));
             memcpy((float *)v_cache + slots[t] * n, row + (H + Hkv) * D, n * sizeof(float));
