@@ -43,7 +43,7 @@ def kv_dtype(setting: str, backend: str, numerics: str, dtype: torch.dtype, head
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for ``block_size`` tokens (an int8 row's scale included)."""
+    """K and V of every layer for ``block_size`` tokens (an int8 row's scales included)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cpu_kernels.kv_width(dtype, cfg.head_dim) * itemsize
 

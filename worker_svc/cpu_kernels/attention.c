@@ -110,6 +110,7 @@ enum { MAX_D = 256, MIN_SPLIT_KEYS = 256 };
 static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_size) {
     return (int64_t)table[key / block_size] * block_size + key % block_size;
 }
+
 // One (token, kv head) item over keys [j0, j1): G query heads against those keys of one sequence.
 // out_g = sum_j exp(s_gj - mx_g) v_j, not yet divided by sum_g (the caller merges or normalizes).
 static inline __attribute__((always_inline)) void attend(const float *qt, const void *k_cache,
@@ -369,23 +370,24 @@ static inline __attribute__((always_inline)) void flash_run(const float *q, int6
     }
 }
 
+// CALL(DD, KV) with the head dimension D as a constant where it is a common one (64, 128), so loops over it unroll.
+#define BY_D(CALL, KV)                      \
+    do {                                    \
+        if (D == 64) CALL(64, KV);          \
+        else if (D == 128) CALL(128, KV);   \
+        else CALL(D, KV);                   \
+    } while (0)
+
 static void flash_run_any_d(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int32_t *table, int64_t t0, int64_t n, int64_t p0, int64_t kvh, int64_t G,
                             int64_t H, int64_t D, int64_t block_size, int64_t row, float scale, float *work,
                             float *out, int kv) {
 #define FLASH(DD, KV) flash_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, \
                                 scale, work, out, KV)
-#define FLASH_D(KV)                          \
-    do {                                     \
-        if (D == 64) FLASH(64, KV);          \
-        else if (D == 128) FLASH(128, KV);   \
-        else FLASH(D, KV);                   \
-    } while (0)
-    if (kv == KV_F16) FLASH_D(KV_F16);
-    else if (kv == KV_BF16) FLASH_D(KV_BF16);
-    else if (kv == KV_I8) FLASH_D(KV_I8);
-    else FLASH_D(KV_F32);
-#undef FLASH_D
+    if (kv == KV_F16) BY_D(FLASH, KV_F16);
+    else if (kv == KV_BF16) BY_D(FLASH, KV_BF16);
+    else if (kv == KV_I8) BY_D(FLASH, KV_I8);
+    else BY_D(FLASH, KV_F32);
 #undef FLASH
 }
 #endif
@@ -591,13 +593,8 @@ static void amx_run_any_d(const float *q, int64_t q_stride, const void *k_cache,
                           int kv) {
 #define RUN(DD, KV) amx_run(q, q_stride, k_cache, v_cache, table, t0, n, p0, kvh, G, H, DD, block_size, row, scale, \
                             work, out, KV)
-    if (kv == KV_I8) {
-        if (D == 64) RUN(64, KV_I8);
-        else if (D == 128) RUN(128, KV_I8);
-        else RUN(D, KV_I8);
-    } else if (D == 64) RUN(64, KV_BF16);
-    else if (D == 128) RUN(128, KV_BF16);
-    else RUN(D, KV_BF16);
+    if (kv == KV_I8) BY_D(RUN, KV_I8);
+    else BY_D(RUN, KV_BF16);
 #undef RUN
 }
 #endif
@@ -794,9 +791,10 @@ void rope_store(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const 
             }
         }
         const int64_t n = Hkv * D;
-        if (kv == KV_I8 && D % I8_BLOCK != 0) continue;  // not a layout of this kind (paged_attention says so)
+        // int8: K's heads, then V's (a D that is no multiple of I8_BLOCK has no int8 layout: nothing is written,
+        // and paged_attention refuses it)
         if (kv == KV_I8) {
-            for (int64_t h = 0; h < 2 * Hkv; h++)  // K's heads, then V's
+            for (int64_t h = 0; h < 2 * Hkv && D % I8_BLOCK == 0; h++)
                 store_i8((int8_t *)(h < Hkv ? k_cache : v_cache) + (slots[t] * Hkv + h % Hkv) * kv_head(D, KV_I8),
                          row + (H + h) * D, D);
             continue;

@@ -38,7 +38,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;  // (hidden,)
     QLinear qkv, o, gate_up, down;
-    void *k_cache, *v_cache;  // (num_blocks, block_size, Hkv, D), fp32, fp16 or bf16, or D + 4 bytes int8 (Dims.kv)
+    void *k_cache, *v_cache;  // (num_blocks, block_size, Hkv, D), fp32, fp16 or bf16; int8: D + D/8 bytes (Dims.kv)
 } Layer;
 
 typedef struct {
