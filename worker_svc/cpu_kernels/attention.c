@@ -196,6 +196,25 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// gh heads (at most HEADS_AT_ONCE) of the group against 16 keys (rows kr): s[g * n + i] = q_g . k_i * scale for the
+// keys in ``keep``. Each key's row is read and widened once for the gh heads (once per head was a third of a
+// decode's attention); a score's operations and their order are a key's own.
+static inline __attribute__((always_inline)) void score16(int gh, const float *q, const void *const kr[16], int64_t D,
+                                                           __m512 vscale, float *s, int64_t n, __mmask16 keep, int kv) {
+    __m512 part[HEADS_AT_ONCE][16];
+    for (int i = 0; i < 16; i++) {
+        __m512 acc[HEADS_AT_ONCE];
+        const __m512 k = kv_row16(kr[i], 0, D, kv);
+        for (int g = 0; g < gh; g++) acc[g] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), k);
+        for (int64_t d = 16; d < D; d += 16) {
+            const __m512 kd = kv_row16(kr[i], d, D, kv);
+            for (int g = 0; g < gh; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kd, acc[g]);
+        }
+        for (int g = 0; g < gh; g++) part[g][i] = acc[g];
+    }
+    for (int g = 0; g < gh; g++) _mm512_mask_storeu_ps(s + g * n, keep, _mm512_mul_ps(sum16(part[g]), vscale));
+}
+
 // gh heads (at most HEADS_AT_ONCE) of the group: out_g += sum_j p_gj v_j over keys [j0, j1), p_g = scores + g * n.
 static inline __attribute__((always_inline)) void weigh_values(int gh, const void *v_cache, const int32_t *table,
                                                                 int64_t j0, int64_t j1, int64_t block_size,
@@ -239,15 +258,16 @@ static inline __attribute__((always_inline)) void attend16(const float *qt, cons
         prefetch_rows(k_cache, table, j + AHEAD < j1 ? j + AHEAD : j1, j + AHEAD + 16 < j1 ? j + AHEAD + 16 : j1,
                       block_size, row, D, kv);
         const __mmask16 keep = (__mmask16)((1u << count) - 1);
-        for (int64_t g = 0; g < G; g++) {
-            __m512 v[16];
-            for (int i = 0; i < 16; i++) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt + g * D), kv_row16(kr[i], 0, D, kv));
-                for (int64_t d = 16; d < D; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + g * D + d), kv_row16(kr[i], d, D, kv), acc);
-                v[i] = acc;
+        for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
+            const int64_t gh = G - g0 < HEADS_AT_ONCE ? G - g0 : HEADS_AT_ONCE;
+            const float *q = qt + g0 * D;
+            float *s = scores + g0 * n + j - j0;
+            switch (gh) {  // a constant count of heads, so their partial sums stay in registers
+                case 1: score16(1, q, kr, D, vscale, s, n, keep, kv); break;
+                case 2: score16(2, q, kr, D, vscale, s, n, keep, kv); break;
+                case 3: score16(3, q, kr, D, vscale, s, n, keep, kv); break;
+                default: score16(4, q, kr, D, vscale, s, n, keep, kv); break;
             }
-            _mm512_mask_storeu_ps(scores + g * n + j - j0, keep, _mm512_mul_ps(sum16(v), vscale));
         }
     }
     for (int64_t g = 0; g < G; g++) mx[g] = exp_shifted(scores + g * n, n, sum + g);
