@@ -77,6 +77,13 @@ static inline __attribute__((always_inline)) vi sum_total(Sum s, int passes) {
 #endif
 }
 
+// The 4-bit types' k-group j (inputs 4j..4j+3 of the block) at q: the low nibbles of the 64 bytes at 64 j (j < 4),
+// then the high nibbles of those at 64 (j - 4), each in the low 4 bits of its byte, the bits above not cleared.
+static inline __attribute__((always_inline)) vi nibbles(const uint8_t *q, int j) {
+    const vi packed = vi_load(q + 64 * (j & 3));
+    return j < 4 ? packed : vi_srli16(packed, 4);
+}
+
 // The weights of k-group j (inputs 4j..4j+3 of the block) for one strip, as the unsigned side of the dot: Q4
 // nibbles as they are (0..15); Q8_0 with VNNI its int8 values + 128 (the offset is taken off per block);
 // Q8_0 on AVX2 |w| (its signs are moved onto x: sign_x).
@@ -91,8 +98,7 @@ static inline __attribute__((always_inline)) vi weights_u8(int type, const uint8
         return _mm256_sign_epi8(w, w);
 #endif
     }
-    const vi packed = vi_load(q + 64 * (j & 3));
-    return vi_and(j < 4 ? packed : vi_srli16(packed, 4), vi_set1_8(0x0F));
+    return vi_and(nibbles(q, j), vi_set1_8(0x0F));
 }
 
 static inline __attribute__((always_inline)) vi sign_x(int type, vi x, vi signs) {
@@ -501,7 +507,15 @@ int tile_amx_ready(void) { return 0; }
 // per 32 products, against four FMAs that need no pass over x), a batch of rows multiplies the dequantized
 // weights instead: each weight exactly the fp32 value gguf-py gives, summed in order of the inputs.
 
-// The W rows' weights at input k = 4 j + t of block b, as fp32 vectors (t = 0..3 of k-group j).
+// k-group j of a block's 16 rows at q (lane n: row n's inputs 4j..4j+3), for expand_group: Q8_0's bytes, the
+// 4-bit types' nibbles (with AVX512 the bits above them left: vpermps reads only an index's low 4 bits).
+static inline __attribute__((always_inline)) vi group_bytes(int type, const uint8_t *q, int j) {
+    if (type == TYPE_Q8_0) return vi_load(q + 64 * j);
+    return ISA_VNNI ? nibbles(q, j) : vi_and(nibbles(q, j), vi_set1_8(0x0F));
+}
+
+// The W rows' weights at input k = 4 j + t of block b, as fp32 vectors (t = 0..3 of k-group j), from u =
+// group_bytes: exactly the values gguf-py gives.
 static inline __attribute__((always_inline)) void expand_group(int type, vi u, vf scale, vf min, vf out[4]) {
     for (int t = 0; t < 4; t++) {
         vf q;
@@ -513,13 +527,17 @@ static inline __attribute__((always_inline)) void expand_group(int type, vi u, v
 #endif
             out[t] = vf_mul(scale, q);  // d * q, exact
         } else {
-#if ISA_VNNI
-            q = vf_cvt(vi_and(_mm512_srli_epi32(u, 8 * t), vi_set1_32(0xFF)));
+#if ISA_VNNI  // the nibble's value looked up (q, or q - 8 for Q4_0): no mask, no conversion, no add
+            const __m512 values = type == TYPE_Q4_1 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                                                    : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+            q = _mm512_permutexvar_ps(t ? _mm512_srli_epi32(u, 8 * t) : u, values);
+            out[t] = type == TYPE_Q4_1 ? vf_fma(scale, q, min)  // d * q + m (d * q is exact)
+                                       : vf_mul(scale, q);      // d * (q - 8)
 #else
             q = vf_cvt(vi_and(_mm256_srli_epi32(u, 8 * t), vi_set1_32(0xFF)));
-#endif
             out[t] = type == TYPE_Q4_1 ? vf_fma(scale, q, min)                      // d * q + m (d * q is exact)
                                        : vf_mul(scale, vf_add(q, vf_set1(-8.0f)));  // d * (q - 8)
+#endif
         }
     }
 }
@@ -535,11 +553,8 @@ static inline __attribute__((always_inline)) void expand_group_rows(int type, co
             const vf scale = vf_half(d + b * TILE * 2 + h * W * 2);
             const vf min = type == TYPE_Q4_1 ? vf_half(mins + b * TILE * 2 + h * W * 2) : vf_zero();
             for (int j = 0; j < 8; j++) {
-                vi u;
-                if (type == TYPE_Q8_0) u = vi_load(q + 64 * j);
-                else u = vi_and(j < 4 ? vi_load(q + 64 * j) : vi_srli16(vi_load(q + 64 * (j & 3)), 4), vi_set1_8(0x0F));
                 vf w[4];
-                expand_group(type, u, scale, min, w);
+                expand_group(type, group_bytes(type, q, j), scale, min, w);
                 for (int t = 0; t < 4; t++) vf_store(buf + (b * QK + 4 * j + t) * TILE + h * W, w[t]);
             }
         }
@@ -710,11 +725,8 @@ static inline __attribute__((always_inline)) void wide_group(int type, const uin
         const vf scale = vf_half(d + b * TILE * 2);
         const vf min = type == TYPE_Q4_1 ? vf_half(mins + b * TILE * 2) : vf_zero();
         for (int j = 0; j < 8; j++) {  // inputs 4j..4j+3 of the block
-            vi u;
-            if (type == TYPE_Q8_0) u = vi_load(q + 64 * j);
-            else u = vi_and(j < 4 ? vi_load(q + 64 * j) : vi_srli16(vi_load(q + 64 * (j & 3)), 4), vi_set1_8(0x0F));
             vf w[4];
-            expand_group(type, u, scale, min, w);
+            expand_group(type, group_bytes(type, q, j), scale, min, w);
             uint16_t *pair = out + (b * QK + 4 * j) * TILE;
             _mm512_store_si512(pair, bf16_pairs(w[0], w[1]));  // lane n: row n's inputs 4j, 4j + 1
             _mm512_store_si512(pair + 32, bf16_pairs(w[2], w[3]));
