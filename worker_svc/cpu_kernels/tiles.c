@@ -717,11 +717,12 @@ enum { WIDE_ROWS = AMX_ROWS };
 // A group's 16 rows of W as bf16 B tiles (the dense layout: K/2 pairs x 16 rows x 2 bf16): each weight's fp32
 // value as the fp32 product expands it (expand_group: what gguf-py gives), rounded to nearest bf16.
 static inline __attribute__((always_inline)) void wide_group(int type, const uint8_t *group, int64_t nb,
-                                                             uint16_t *out) {
+                                                             uint16_t *out, Ahead ahead) {
     const int64_t qstride = tile_quant_bytes(type);
     const uint8_t *d = group + nb * qstride, *mins = d + nb * TILE * 2;
     const uint8_t *q = group;
     for (int64_t b = 0; b < nb; b++, q += qstride) {
+        if (ahead.bytes) prefetch_part(ahead, b, nb);  // block b's share of the next group's weights
         const vf scale = vf_half(d + b * TILE * 2);
         const vf min = type == TYPE_Q4_1 ? vf_half(mins + b * TILE * 2) : vf_zero();
         for (int j = 0; j < 8; j++) {  // inputs 4j..4j+3 of the block
@@ -734,10 +735,10 @@ static inline __attribute__((always_inline)) void wide_group(int type, const uin
     }
 }
 
-static void wide_any(int type, const uint8_t *group, int64_t nb, uint16_t *out) {
-    if (type == TYPE_Q4_0) wide_group(TYPE_Q4_0, group, nb, out);
-    else if (type == TYPE_Q4_1) wide_group(TYPE_Q4_1, group, nb, out);
-    else wide_group(TYPE_Q8_0, group, nb, out);
+static void wide_any(int type, const uint8_t *group, int64_t nb, uint16_t *out, Ahead ahead) {
+    if (type == TYPE_Q4_0) wide_group(TYPE_Q4_0, group, nb, out, ahead);
+    else if (type == TYPE_Q4_1) wide_group(TYPE_Q4_1, group, nb, out, ahead);
+    else wide_group(TYPE_Q8_0, group, nb, out, ahead);
 }
 
 // Bytes of each thread's buffer: two groups' B tiles.
@@ -756,12 +757,17 @@ static void amx_wide_gemm(int type, uint16_t *xb, int64_t M, int64_t K, const ui
     {
         tile_bf16_configure();
         uint16_t *w0 = (uint16_t *)(buffers + omp_get_thread_num() * stride), *w1 = w0 + K * TILE;
+        const int64_t threads = omp_get_num_threads();
         float c[4 * 256] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic)
         for (int64_t pair = 0; pair < pairs; pair++) {
             const int64_t g = swiglu ? pair : pair * 2, g1 = swiglu ? g + swiglu / TILE : g + 1;
-            wide_any(type, w + g * TILE * row_bytes, K / QK, w0);
-            if (g1 < groups) wide_any(type, w + g1 * TILE * row_bytes, K / QK, w1);
+            // the schedule hands out one item at a time, so a thread's next is likely ``threads`` on
+            const int64_t next = pair + threads, n0 = swiglu ? next : next * 2, n1 = swiglu ? n0 + swiglu / TILE : n0 + 1;
+            const Ahead a0 = {w + n0 * TILE * row_bytes, next < pairs ? TILE * row_bytes : 0};
+            const Ahead a1 = {w + n1 * TILE * row_bytes, next < pairs && n1 < groups ? TILE * row_bytes : 0};
+            wide_any(type, w + g * TILE * row_bytes, K / QK, w0, a0);
+            if (g1 < groups) wide_any(type, w + g1 * TILE * row_bytes, K / QK, w1, a1);
             for (int64_t r = 0; r < row_tiles; r += 2)
                 amx_bf16_item(1, xb, M, K, (const uint8_t *)w0, (const uint8_t *)w1, r, row_tiles, g, groups, N, y, c,
                               swiglu);
