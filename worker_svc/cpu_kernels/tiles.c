@@ -441,6 +441,11 @@ static inline __attribute__((always_inline)) void amx_bf16_item(int passes, cons
         }
 }
 
+// The groups a pair of the AMX bf16 products (amx_bf16_gemm, amx_wide_gemm) multiplies: 2 pair and the next, or
+// with ``swiglu`` gate group pair and its up group (swiglu / 16 on).
+static inline int64_t pair_group(int64_t pair, int64_t swiglu) { return swiglu ? pair : pair * 2; }
+static inline int64_t second_group(int64_t g, int64_t swiglu) { return swiglu ? g + swiglu / TILE : g + 1; }
+
 // y (M, N) = x @ W^T for bf16 W in tiles; xb: x as bf16 passes (bf16_rows), its rows allocated up to a multiple
 // of 16 (zeroed here). ``swiglu`` > 0: y (M, swiglu) = silu(gate) * up instead (amx_bf16_item).
 static void amx_bf16_gemm(int passes, uint16_t *xb, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
@@ -457,7 +462,7 @@ static void amx_bf16_gemm(int passes, uint16_t *xb, int64_t M, int64_t K, const 
         for (int64_t item = 0; item < pairs * rpairs; item++) {
             // row tiles r, r + 1 (the faster index: a thread's next item reads the same groups of W, from L1);
             // groups g, g + 1
-            const int64_t g = item / rpairs * (swiglu ? 1 : 2), r = item % rpairs * 2;
+            const int64_t g = pair_group(item / rpairs, swiglu), r = item % rpairs * 2;
             const uint8_t *w0 = w + g * group_bytes;
             amx_bf16_item(passes, xb, M, K, w0, w0 + second, r, row_tiles, g, groups, N, y, c, swiglu);
         }
@@ -761,9 +766,9 @@ static void amx_wide_gemm(int type, uint16_t *xb, int64_t M, int64_t K, const ui
         float c[4 * 256] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic)
         for (int64_t pair = 0; pair < pairs; pair++) {
-            const int64_t g = swiglu ? pair : pair * 2, g1 = swiglu ? g + swiglu / TILE : g + 1;
             // the schedule hands out one item at a time, so a thread's next is likely ``threads`` on
-            const int64_t next = pair + threads, n0 = swiglu ? next : next * 2, n1 = swiglu ? n0 + swiglu / TILE : n0 + 1;
+            const int64_t next = pair + threads, g = pair_group(pair, swiglu), g1 = second_group(g, swiglu),
+                          n0 = pair_group(next, swiglu), n1 = second_group(n0, swiglu);
             const Ahead a0 = {w + n0 * TILE * row_bytes, next < pairs ? TILE * row_bytes : 0};
             const Ahead a1 = {w + n1 * TILE * row_bytes, next < pairs && n1 < groups ? TILE * row_bytes : 0};
             wide_any(type, w + g * TILE * row_bytes, K / QK, w0, a0);
