@@ -140,30 +140,39 @@ def test_amx_tiles_give_the_bits_of_the_vector_tiles_at_every_row_count(qtype, p
         assert torch.equal(y, results["avx512bf16"][m]), m
 
 
-@pytest.mark.skipif("amx" not in cpu_kernels.supported_isas(), reason="this CPU has no AMX tiles")
+_BF16_DOTS = [name for name in ("avx512bf16", "amx") if name in cpu_kernels.supported_isas()]
+
+
+@pytest.mark.skipif(not _BF16_DOTS, reason="this CPU has no bf16 dot products (AVX512-BF16 or AMX)")
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 def test_the_bf16_numerics_widen_quantized_weights_to_bf16_from_16_rows(qtype):
     """--numerics bf16: below 16 rows of x the fast product (its bits); from 16 rows each weight's exact value
     rounded to bf16 times x rounded to bf16, fp32 sums (within K u of the sum of the products' magnitudes), and
-    a row still the same in any batch of 16 or more."""
+    a row still the same in any batch of 16 or more; with AMX's tiles and with vdpbf16ps alike."""
     n, k = 99, 320
     qweight, dense = _quantized(qtype, n, k, seed=11, tiles=True)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(11)) * 2
     wide = 2 | WIDE
     xb, wb = x.to(torch.bfloat16).double(), dense.to(torch.bfloat16).double()
-    results = {}
-    for m in (1, 15, 16, 17, 33, 70):
-        y = cpu_kernels.qgemm(x[:m], qweight, int(qtype), n, wide)
-        fast = cpu_kernels.qgemm(x[:m], qweight, int(qtype), n, 2)
-        if m < 16:
-            assert torch.equal(y, fast), m
-            continue
-        bound = k * 2.0**-24 * (xb[:m].abs() @ wb.abs().T)
-        assert bool(((y.double() - xb[:m] @ wb.T).abs() <= bound).all()), m
-        assert not torch.equal(y, fast)
-        results[m] = y
-    assert torch.equal(results[70][:33], results[33]) and torch.equal(results[33][:17], results[17])
-    assert torch.equal(results[17][:16], results[16])
+    for name in _BF16_DOTS:
+        cpu_kernels.use_isa(name)
+        try:
+            assert cpu_kernels.isa() == name
+            results = {}
+            for m in (1, 15, 16, 17, 33, 70):
+                y = cpu_kernels.qgemm(x[:m], qweight, int(qtype), n, wide)
+                fast = cpu_kernels.qgemm(x[:m], qweight, int(qtype), n, 2)
+                if m < 16:
+                    assert torch.equal(y, fast), (name, m)
+                    continue
+                bound = k * 2.0**-24 * (xb[:m].abs() @ wb.abs().T)
+                assert bool(((y.double() - xb[:m] @ wb.T).abs() <= bound).all()), (name, m)
+                assert not torch.equal(y, fast), (name, m)
+                results[m] = y
+            assert torch.equal(results[70][:33], results[33]) and torch.equal(results[33][:17], results[17]), name
+            assert torch.equal(results[17][:16], results[16]), name
+        finally:
+            cpu_kernels.use_isa("auto")
 
 
 @pytest.mark.skipif("amx" not in cpu_kernels.supported_isas(), reason="this CPU has no AMX tiles")

@@ -12,8 +12,8 @@ ATTENTION = ("auto", "native", "flex", "sdpa")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512bf16", "amx")  # worker_svc.cpu_kernels.ISAS
 # --numerics: the int8 passes per block of 32 that x is quantized in for a quantized weight (0: the exact product),
-# plus WIDE: from 16 rows of x, quantized weights widened to bf16 and multiplied in AMX-BF16 tiles (tiles.c's
-# TILE_WIDE)
+# plus WIDE: from 16 rows of x, quantized weights widened to bf16 and multiplied with bf16 dots, in AMX-BF16 tiles
+# or with AVX512-BF16's vdpbf16ps (tiles.c's TILE_WIDE)
 WIDE = 4
 NUMERICS = {"exact": 0, "fast": 2, "int8": 1, "bf16": 2 | WIDE}
 
@@ -43,8 +43,9 @@ class WorkerConfig:
         "fast, the activations in one int8 pass (llama.cpp's Q8 activations: about twice as fast from 8 rows, "
         "96 %% top-1 agreement with exact where fast has 99.9 %%); bf16 = as fast below 16 rows of activations, and "
         "from 16 rows (prefill, large decode batches) quantized weights widened to bf16 and multiplied with the "
-        "activations rounded to bf16 in AMX-BF16 tiles where the CPU has them (2-3x fast's prefill; a row's bits "
-        "then depend on its batch's size)",
+        "activations rounded to bf16, in AMX-BF16 tiles where the CPU has them (2-3x fast's prefill), else with "
+        "AVX512-BF16's bf16 dots (1.3x fast's matrices; elsewhere bf16 is fast); a row's bits then depend on its "
+        "batch's size",
         choices=tuple(NUMERICS),
     )
     kv_cache_dtype: str = setting(

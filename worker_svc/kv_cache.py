@@ -24,7 +24,7 @@ def kv_dtype(setting: str, backend: str, numerics: str, dtype: torch.dtype, head
     (``backends.choose``'s name). auto, with the native backend: fp16 under fast and int8 (half the bytes a
     decode's attention reads, and twice the tokens in the same memory; llama.cpp's default too), bf16 under bf16
     where the kernels have AMX (vLLM's cache; a prompt's attention products then run in AMX-BF16 tiles; without
-    AMX bf16 is fast, fp16 too), ``dtype`` under exact (fp32: its
+    AMX fp16: the same bytes, and a prompt attends in fp32 either way), ``dtype`` under exact (fp32: its
     logits match transformers'). int8 only when asked (a head's row in int8, a scale per 32 values: 9/16 of fp16's
     bytes, so 1.78x the tokens, at a cost in accuracy; a prompt's attention in AMX-BF16 tiles where the kernels
     have AMX). The PyTorch backends attend in ``dtype`` only."""

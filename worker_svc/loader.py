@@ -83,7 +83,8 @@ def load_model(
     transformers); "fast" keeps quantized weights in tiles and multiplies them with integer dots, the activations
     quantized in two int8 passes per block of 32, and bf16 weights with bf16 dots where the CPU has them
     (``worker_svc/cpu_kernels/tiles.c``); "int8" as fast, the activations in one int8 pass (as llama.cpp); "bf16"
-    as fast below 16 rows of x, and from 16 rows quantized weights widened to bf16 in AMX-BF16 tiles (with AMX).
+    as fast below 16 rows of x, and from 16 rows quantized weights widened to bf16 and multiplied with bf16 dots
+    (AMX-BF16 tiles, or AVX512-BF16's vdpbf16ps; without either it is fast).
     """
     if numerics not in NUMERICS:
         raise ValueError(f"--numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")

@@ -296,7 +296,8 @@ def qgemm(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int,
     (``kernel_layout``): ``passes`` 0, rows, the exact fp32 product; 1 or 2, tiles, the fast numerics (x
     quantized to that many int8 blocks, each the rest of the one before, and integer dots; for bf16, x in that
     many bf16 parts and bf16 dots); with ``config.WIDE`` added, from 16 rows of x quantized weights widened to
-    bf16 and multiplied with x rounded to bf16 in AMX tiles, where the CPU has them (the bf16 numerics)."""
+    bf16 and multiplied with x rounded to bf16 in AMX tiles or with AVX512-BF16's dots, where the CPU has either
+    (the bf16 numerics)."""
     lib = _lib()
     x = x.contiguous()
     m, k = x.shape

@@ -54,6 +54,15 @@ typedef __m512 vf;
 // acc + w.bf16[2i+1] x.bf16[2i+1] + w.bf16[2i] x.bf16[2i] per lane i, fp32 accumulation
 #define dot_bf16(acc, w, x) _mm512_dpbf16_ps(acc, (__m512bh)(w), (__m512bh)(x))
 #define ISA_BF16 1
+
+// Two fp32 vectors (lanes n) as one of bf16 pairs, each value rounded to nearest even: lane n holds (lo[n], hi[n]),
+// lo in the low half: the layout of dense bf16 weights in tiles and of an AMX-BF16 B tile's row (tiles.c's widened
+// weights, attention.c's P).
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
 #endif
 
 #else  // AVX2
@@ -95,14 +104,6 @@ typedef __m256 vf;
 // products each); tiles.c uses them for 16 rows of x at a time.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && ISA_VNNI
 #define ISA_AMX 1
-
-// Two fp32 vectors (lanes n) as one of bf16 pairs, each value rounded to nearest even: lane n holds (lo[n], hi[n]),
-// lo in the low half, the layout of an AMX-BF16 B tile's row (tiles.c's widened weights, attention.c's P).
-static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
-    static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
 #else
 #define ISA_AMX 0
 #endif

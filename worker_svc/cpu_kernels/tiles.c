@@ -708,16 +708,18 @@ static void bf16_rows(const float *x, int64_t M, int64_t K, int passes, uint16_t
 #endif
 }
 
-// ---------------------------------------------------------------- quantized weights widened to bf16 (AMX)
+// ---------------------------------------------------------------- quantized weights widened to bf16
 
 // The bf16 numerics (--numerics bf16) for quantized weights: from 16 rows of x a group's weights are widened to
-// their fp32 values (expand_any: what gguf-py gives), rounded to bf16 and multiplied in AMX-BF16 tiles like
-// bf16 weights, x rounded to bf16 once: no block scales, so a tile of sums stays in its register over all of K
-// (integer tiles must store and scale every block's). Widening a group costs about as much as multiplying it by
-// 16 rows, so a group is widened once per item and every row tile of x meets it. Fewer rows take the integer
-// dots of ``passes`` (a decode reads a quarter of bf16's bytes), so a row's bits depend on its batch's size.
-#if ISA_AMX
-enum { WIDE_ROWS = AMX_ROWS };
+// their fp32 values (expand_group: what gguf-py gives), rounded to bf16 and multiplied like bf16 weights, x
+// rounded to bf16 once: no block scales, so a sum stays in its register over all of K (integer dots must scale
+// every block's). With AMX in AMX-BF16 tiles (amx_wide_gemm), else with vdpbf16ps (the strip path's strip_bf16:
+// per row and block of 32 inputs 16 dots, as many as fast's two int8 passes, but none of their scaling). Widening
+// a group costs about as much as multiplying it by 16 rows, so a group is widened once per item and every row of x
+// meets it. Fewer rows take the integer dots of ``passes`` (a decode reads a quarter of bf16's bytes), so a row's
+// bits depend on its batch's size.
+#if ISA_BF16
+enum { WIDE_ROWS = 16 };
 
 // A group's 16 rows of W as bf16 B tiles (the dense layout: K/2 pairs x 16 rows x 2 bf16): each weight's fp32
 // value as the fp32 product expands it (expand_group: what gguf-py gives), rounded to nearest bf16.
@@ -748,7 +750,9 @@ static void wide_any(int type, const uint8_t *group, int64_t nb, uint16_t *out, 
 
 // Bytes of each thread's buffer: two groups' B tiles.
 static int64_t wide_buffer_bytes(int64_t K) { return 2 * K * TILE * (int64_t)sizeof(uint16_t); }
+#endif
 
+#if ISA_AMX
 // y (M, N) = x @ W^T, W quantized in tiles, M >= 16: xb x as one bf16 pass (bf16_rows, rows up to a multiple
 // of 16); each thread's buffer (wide_buffer_bytes) at ``buffers`` + its number x ``stride``. An item is two
 // groups, widened once, against every row tile of x.
@@ -797,16 +801,17 @@ int tile_isa(void) { return ISA_VNNI ? (ISA_AMX ? 514 : ISA_BF16 ? 513 : 512) : 
 
 static inline int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
 
-// Bytes of each thread's own work memory: the fp32 product's expanded group (and AMX's B and C tiles).
+// Bytes of each thread's own work memory: the fp32 product's expanded group, or two widened groups (and AMX's
+// B and C tiles).
 static int64_t thread_bytes(int64_t K) {
-    const int64_t expanded = round64(K * TILE * (int64_t)sizeof(float));
-#if ISA_AMX
-    const int64_t amx = round64(amx_buffer_bytes(K)) > round64(wide_buffer_bytes(K)) ? round64(amx_buffer_bytes(K))
-                                                                                       : round64(wide_buffer_bytes(K));
-    return expanded > amx ? expanded : amx;
-#else
-    return expanded;
+    int64_t bytes = round64(K * TILE * (int64_t)sizeof(float));
+#if ISA_BF16
+    if (round64(wide_buffer_bytes(K)) > bytes) bytes = round64(wide_buffer_bytes(K));
 #endif
+#if ISA_AMX
+    if (round64(amx_buffer_bytes(K)) > bytes) bytes = round64(amx_buffer_bytes(K));
+#endif
+    return bytes;
 }
 
 // Bytes of work memory tile_gemm needs for M rows of K on ``threads`` threads (with AMX, the scaling's terms per
@@ -818,14 +823,19 @@ int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads) {
 }
 
 // y (M, N) = x (M, K) @ W^T, W (N, K) in tiles (tile_repack). ``passes``: 1 or 2 (see the top), plus TILE_WIDE
-// for the bf16 numerics (quantized weights, 16 rows or more, with AMX: amx_wide_gemm). ``work``:
-// tile_work_bytes of scratch for omp_get_max_threads() threads, or NULL (allocated here). Returns 0, or -1 on
-// an unsupported type or shape. ``swiglu`` > 0: tile_gemm_swiglu's (y is act), or 1 where it does not apply.
+// for the bf16 numerics (quantized weights, 16 rows or more, where the CPU has bf16 dots: widened to bf16, see
+// above). ``work``: tile_work_bytes of scratch for omp_get_max_threads() threads, or NULL (allocated here).
+// Returns 0, or -1 on an unsupported type or shape. ``swiglu`` > 0: tile_gemm_swiglu's (y is act), or 1 where it
+// does not apply.
 static int tile_product(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                         int passes, void *work, int64_t swiglu) {
+#if ISA_BF16
+    const int wide = (passes & TILE_WIDE) && type != TYPE_BF16 && M >= WIDE_ROWS;
+#else
+    const int wide = 0;
+#endif
 #if ISA_AMX
-    const int wide = (passes & TILE_WIDE) && type != TYPE_BF16 && M >= WIDE_ROWS && tile_amx_ready();
-    const int amx_bf16 = wide || (type == TYPE_BF16 && tile_amx_ready());
+    const int amx_bf16 = (wide || type == TYPE_BF16) && tile_amx_ready();
 #else
     const int amx_bf16 = 0;
 #endif
@@ -838,23 +848,24 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
     if (work == NULL) return -1;
     work = (void *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
     const int64_t nb = K / QK, groups = (N + TILE - 1) / TILE, row_bytes = nb * block_bytes(type);
-    const int dense = type == TYPE_BF16, dots = dense || M <= tile_int8_max_rows(passes);
+    const int dense = type == TYPE_BF16, dots = dense || wide || M <= tile_int8_max_rows(passes);
     int8_t *xq = work;  // (M, passes, K) int8, or (M, passes, K) bf16
     float *xd = (float *)((uint8_t *)work + round64(passes * pass_rows(M) * K * 2));
     int32_t *xsum = (int32_t *)(xd + M * nb);
     float *expanded = (float *)((uint8_t *)xd + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))));
 #if ISA_AMX
-    if (wide) {
+    if (wide && amx_bf16) {
         bf16_rows(x, M, K, 1, (uint16_t *)xq);
         amx_wide_gemm(type, (uint16_t *)xq, M, K, w, N, y, (uint8_t *)expanded, thread_bytes(K), swiglu);
         free(owned);
         return 0;
     }
 #endif
-    if (dense) {
+    if (dense || wide) {
+        if (wide) passes = 1;  // x rounded to bf16 once
         bf16_rows(x, M, K, passes, (uint16_t *)xq);
 #if ISA_AMX
-        if (tile_amx_ready()) {
+        if (amx_bf16) {
             amx_bf16_gemm(passes, (uint16_t *)xq, M, K, w, N, y, swiglu);
             free(owned);
             return 0;
@@ -865,7 +876,7 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
     }
     int64_t first = 0;  // rows before this one are done (by AMX)
 #if ISA_AMX
-    if (!dense && M >= AMX_ROWS && tile_amx_ready()) {
+    if (!dense && !wide && M >= AMX_ROWS && tile_amx_ready()) {
         first = M / AMX_ROWS * AMX_ROWS;
         amx_gemm(type, passes, xq, xd, xsum, first, K, w, N, y, (uint8_t *)expanded, thread_bytes(K),
                  (int32_t *)((uint8_t *)expanded + threads * thread_bytes(K)));
@@ -894,9 +905,9 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
         free(owned);
         return 0;
     }
-    // two strips an item with AVX512 (more rows of W per broadcast of x), else one
+    // two strips an item with AVX512 (more rows of W per broadcast of x), else one; widened, two groups
     const int64_t strips = groups * STRIPS, ns = ISA_VNNI ? 2 : 1;
-    const int64_t mrows = ns == 1 ? MR : dense ? BF16_ROWS_FOR_TWO : rows_for_two(passes);
+    const int64_t mrows = ns == 1 ? MR : dense || wide ? BF16_ROWS_FOR_TWO : rows_for_two(passes);
 #pragma omp parallel for schedule(guided)
     for (int64_t item = 0; item < (strips + ns - 1) / ns; item++) {
         const uint8_t *qs[2], *ds[2], *ms[2];
@@ -914,12 +925,24 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
         }
         if (count == 0) continue;
         const int64_t from = (item + 1) * ns * W, to = from + ns * W < groups * TILE ? from + ns * W : groups * TILE;
-        const Ahead next = {w + from * row_bytes, to > from ? (to - from) * row_bytes : 0};  // W rows' bytes each
+        Ahead next = {w + from * row_bytes, to > from ? (to - from) * row_bytes : 0};  // W rows' bytes each
+#if ISA_BF16
+        if (wide) {  // with AVX512 a strip is a group: each widened into this thread's buffer, its share prefetched
+            uint16_t *buf = (uint16_t *)((uint8_t *)expanded + omp_get_thread_num() * thread_bytes(K));
+            for (int s = 0; s < count; s++) {
+                const int64_t each = TILE * row_bytes, left = next.bytes - s * each;  // the next item's group s
+                const Ahead part = {next.next + s * each, left < 0 ? 0 : left < each ? left : each};
+                wide_any(type, qs[s], nb, buf + s * K * TILE, part);
+                qs[s] = (const uint8_t *)(buf + s * K * TILE);
+            }
+            next.bytes = 0;
+        }
+#endif
         float out[2 * MR * W] __attribute__((aligned(64)));
         for (int64_t m0 = first; m0 < M; m0 += mrows) {
             const int mr = (int)(M - m0 < mrows ? M - m0 : mrows);
-            if (dense) strip_bf16_any(mr, passes, count, qs, K, (const uint16_t *)xq + m0 * passes * K, out,
-                                      m0 == first ? next : (Ahead){NULL, 0});
+            if (dense || wide) strip_bf16_any(mr, passes, count, qs, K, (const uint16_t *)xq + m0 * passes * K, out,
+                                              m0 == first ? next : (Ahead){NULL, 0});
             else strip_q_any(type, mr, passes, count, qs, ds, ms, nb, xq + m0 * passes * K, K, xd + m0 * nb,
                              xsum + m0 * nb, out, m0 == first ? next : (Ahead){NULL, 0});
             for (int s = 0; s < count; s++) {
