@@ -177,7 +177,7 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void *cach
                                                                  int64_t D, int kv) {
     for (int64_t key = j0; key < j1; key++) {
         const char *at = (const char *)kv_at(cache, slot_of(table, key, block_size) * row, kv);
-        for (int64_t b = 0; b < kv_head(D, kv) * kv_bytes(kv); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < kv_head(D, kv) * kv_bytes(kv); b += 64) prefetch_line(at + b);
     }
 }
 

@@ -12,6 +12,14 @@
 #include <stdint.h>
 #include <string.h>
 
+// A line the kernels will read soon (weights of a thread's next item, keys and values ahead of a decode's
+// attention), fetched into L2 (hint T1), not L1: on a 2-core Zen 4 VM, decode attention over 32 x 288 keys (fp16
+// cache) 15.4 -> 10.5 ms, the default model's 120 matrices at 8 rows 7.6-7.8 -> 6.8-6.9 ms, a bf16 folder's decode
+// step of 8 18-21 -> 14-15 ms; on a Sapphire Rapids VM hints T0-T2 were within noise of each other.
+static inline __attribute__((always_inline)) void prefetch_line(const void *p) {
+    _mm_prefetch((const char *)p, _MM_HINT_T1);
+}
+
 static inline int32_t load32(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);

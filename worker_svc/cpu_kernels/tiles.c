@@ -129,7 +129,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void prefetch_part(Ahead ahead, int64_t i, int64_t parts) {
     const int64_t each = (ahead.bytes + parts * 64 - 1) / (parts * 64) * 64;  // whole lines
     for (int64_t at = i * each; at < (i + 1) * each && at < ahead.bytes; at += 64)
-        _mm_prefetch((const char *)ahead.next + at, _MM_HINT_T0);
+        prefetch_line(ahead.next + at);
 }
 
 // mr rows of x (their quantized passes from xq, per row ``passes * K`` bytes apart) against ns strips of W rows
