@@ -39,6 +39,9 @@
 
 enum { TILE = 16, MR = ISA_VNNI ? 8 : 4, STRIPS = TILE / W };
 enum { TILE_WIDE = 4 };  // added to tile_gemm's passes: the bf16 numerics (see "widened to bf16" below)
+// Rows of x from which the strip path writes a fused gate/up projection's silu(gate) * up itself (tile_gemm_swiglu):
+// below, the (M, 2I) product is small and its prefetch of the next item's weights is one range (a lone decode).
+enum { SWIGLU_ROWS = 16 };
 
 // Rows of x's passes tile_gemm keeps: with AMX up to a whole tile of 16 (bf16 weights load them 16 at a time).
 static inline int64_t pass_rows(int64_t M) { return ISA_AMX ? (M + 15) / 16 * 16 : M; }
@@ -211,6 +214,11 @@ static void strip_q_any(int type, int mr, int passes, int ns, const uint8_t *con
 #undef ROWS
 #undef ARGS
 }
+
+// The groups a pair of the bf16 products (amx_bf16_gemm, amx_wide_gemm, the strip path's fused SwiGLU) multiplies:
+// 2 pair and the next, or with ``swiglu`` gate group pair and its up group (swiglu / 16 on).
+static inline int64_t pair_group(int64_t pair, int64_t swiglu) { return swiglu ? pair : pair * 2; }
+static inline int64_t second_group(int64_t g, int64_t swiglu) { return swiglu ? g + swiglu / TILE : g + 1; }
 
 // ---------------------------------------------------------------- quantized weights with AMX tiles
 
@@ -440,11 +448,6 @@ static inline __attribute__((always_inline)) void amx_bf16_item(int passes, cons
             }
         }
 }
-
-// The groups a pair of the AMX bf16 products (amx_bf16_gemm, amx_wide_gemm) multiplies: 2 pair and the next, or
-// with ``swiglu`` gate group pair and its up group (swiglu / 16 on).
-static inline int64_t pair_group(int64_t pair, int64_t swiglu) { return swiglu ? pair : pair * 2; }
-static inline int64_t second_group(int64_t g, int64_t swiglu) { return swiglu ? g + swiglu / TILE : g + 1; }
 
 // y (M, N) = x @ W^T for bf16 W in tiles; xb: x as bf16 passes (bf16_rows), its rows allocated up to a multiple
 // of 16 (zeroed here). ``swiglu`` > 0: y (M, swiglu) = silu(gate) * up instead (amx_bf16_item).
@@ -839,7 +842,9 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
 #else
     const int amx_bf16 = 0;
 #endif
-    if (swiglu && (!amx_bf16 || swiglu % TILE != 0 || N != 2 * swiglu)) return 1;
+    // the strip path fuses it where its items are groups (AVX512) multiplied with bf16 dots, from SWIGLU_ROWS rows
+    const int fused = swiglu && !amx_bf16 && ISA_VNNI && (type == TYPE_BF16 || wide) && M >= SWIGLU_ROWS;
+    if (swiglu && (!(amx_bf16 || fused) || swiglu % TILE != 0 || N != 2 * swiglu)) return 1;
     passes &= ~TILE_WIDE;
     if (!tile_supported(type) || K % QK != 0 || K <= 0 || M < 1 || N < 1 || passes < 1 || passes > 2) return -1;
     const int threads = omp_get_max_threads();
@@ -905,15 +910,17 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
         free(owned);
         return 0;
     }
-    // two strips an item with AVX512 (more rows of W per broadcast of x), else one; widened, two groups
+    // two strips an item with AVX512 (more rows of W per broadcast of x), else one; widened, two groups; fused,
+    // gate group ``item`` and its up group (pair_group, second_group)
     const int64_t strips = groups * STRIPS, ns = ISA_VNNI ? 2 : 1;
     const int64_t mrows = ns == 1 ? MR : dense || wide ? BF16_ROWS_FOR_TWO : rows_for_two(passes);
+    const int64_t items = fused ? swiglu / TILE : (strips + ns - 1) / ns;
 #pragma omp parallel for schedule(guided)
-    for (int64_t item = 0; item < (strips + ns - 1) / ns; item++) {
+    for (int64_t item = 0; item < items; item++) {
         const uint8_t *qs[2], *ds[2], *ms[2];
         int64_t n0[2];
         int count = 0;
-        for (int64_t s = item * ns; s < item * ns + ns && s < strips; s++) {
+        for (int64_t s = item * ns; s < item * ns + ns && s < strips && !fused; s++) {
             const int64_t g = s / STRIPS, h = s % STRIPS;
             if (g * TILE + h * W >= N) break;
             const uint8_t *group = w + g * TILE * row_bytes;
@@ -923,28 +930,48 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
             ms[count] = type == TYPE_Q4_1 ? ds[count] + nb * TILE * 2 : NULL;
             count++;
         }
-        if (count == 0) continue;
         const int64_t from = (item + 1) * ns * W, to = from + ns * W < groups * TILE ? from + ns * W : groups * TILE;
         Ahead next = {w + from * row_bytes, to > from ? (to - from) * row_bytes : 0};  // W rows' bytes each
+        Ahead up_next = {NULL, 0};  // fused: the next item's up group (``next`` its gate group)
+        if (fused) {
+            const int64_t each = TILE * row_bytes, g = pair_group(item, swiglu), last = item + 1 == items;
+            for (count = 0; count < 2; count++) {
+                n0[count] = count ? second_group(g, swiglu) * TILE : g * TILE;
+                qs[count] = w + n0[count] * row_bytes;
+            }
+            next = (Ahead){qs[0] + each, last ? 0 : each};
+            up_next = (Ahead){qs[1] + each, last ? 0 : each};
+        }
+        if (count == 0) continue;
 #if ISA_BF16
         if (wide) {  // with AVX512 a strip is a group: each widened into this thread's buffer, its share prefetched
             uint16_t *buf = (uint16_t *)((uint8_t *)expanded + omp_get_thread_num() * thread_bytes(K));
             for (int s = 0; s < count; s++) {
                 const int64_t each = TILE * row_bytes, left = next.bytes - s * each;  // the next item's group s
-                const Ahead part = {next.next + s * each, left < 0 ? 0 : left < each ? left : each};
+                const Ahead part = fused ? (s ? up_next : next)
+                                         : (Ahead){next.next + s * each, left < 0 ? 0 : left < each ? left : each};
                 wide_any(type, qs[s], nb, buf + s * K * TILE, part);
                 qs[s] = (const uint8_t *)(buf + s * K * TILE);
             }
-            next.bytes = 0;
+            next.bytes = up_next.bytes = 0;
         }
 #endif
         float out[2 * MR * W] __attribute__((aligned(64)));
         for (int64_t m0 = first; m0 < M; m0 += mrows) {
             const int mr = (int)(M - m0 < mrows ? M - m0 : mrows);
+            const Ahead ahead = m0 == first ? next : m0 == first + mrows ? up_next : (Ahead){NULL, 0};
             if (dense || wide) strip_bf16_any(mr, passes, count, qs, K, (const uint16_t *)xq + m0 * passes * K, out,
-                                              m0 == first ? next : (Ahead){NULL, 0});
+                                              ahead);
             else strip_q_any(type, mr, passes, count, qs, ds, ms, nb, xq + m0 * passes * K, K, xd + m0 * nb,
-                             xsum + m0 * nb, out, m0 == first ? next : (Ahead){NULL, 0});
+                             xsum + m0 * nb, out, ahead);
+            if (fused) {  // silu_mul's bits, 8 at a time (I a multiple of 16: no tail)
+                for (int i = 0; i < mr; i++)
+                    for (int h = 0; h < W; h += 8) {
+                        const __m256 gate = _mm256_load_ps(out + i * W + h), up = _mm256_load_ps(out + (MR + i) * W + h);
+                        _mm256_storeu_ps(y + (m0 + i) * swiglu + n0[0] + h, silu_mul8(gate, up));
+                    }
+                continue;
+            }
             for (int s = 0; s < count; s++) {
                 const int64_t valid = N - n0[s] < W ? N - n0[s] : W;
                 for (int i = 0; i < mr; i++)
