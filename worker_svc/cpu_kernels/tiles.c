@@ -120,6 +120,28 @@ static inline int weight_offset(int type) {
     return type == TYPE_Q8_0 && ISA_VNNI ? 128 : 0;
 }
 
+// A Q4_1 block term (block_terms) as the float it holds.
+static inline float term_f32(const int32_t *p) {
+    float f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+
+// quantize_rows's xsum (per row and block, the block's sum of x in units of xd) -> in place, what the scaling adds
+// besides the integer sums (strip_q, amx_scale): Q4_1's mins factor xd * sum x (float), else weight_offset times
+// sum x (int32). Once per product, not once per strip of W.
+static void block_terms(int type, const float *xd, int32_t *xsum, int64_t count) {
+    const int offset = weight_offset(type);
+    for (int64_t i = 0; i < count; i++) {
+        if (type == TYPE_Q4_1) {
+            const float term = xd[i] * (float)xsum[i];
+            memcpy(xsum + i, &term, sizeof term);
+        } else {
+            xsum[i] *= offset;
+        }
+    }
+}
+
 // The weights a strip call streams in ahead of their use (bytes 0: none). A thread's next item is the next strips
 // in memory (the schedule hands out runs of items), so each block of this item prefetches its share of those:
 // at one row of x, where nothing else hides memory's latency, 1.2-1.4x (one thread: 14 -> 20 GB/s of weights).
@@ -142,7 +164,7 @@ static inline __attribute__((always_inline)) void prefetch_part(Ahead ahead, int
 static inline __attribute__((always_inline)) void strip_q(int type, int mr, int passes, int ns, const uint8_t *const *qs,
                                                             const uint8_t *const *ds, const uint8_t *const *ms, int64_t nb,
                                                             const int8_t *xq, int64_t K, const float *xd,
-                                                            const int32_t *xsum, float *out, Ahead ahead) {
+                                                            const int32_t *xadd, float *out, Ahead ahead) {
     const int offset = weight_offset(type);
     const int64_t qstride = tile_quant_bytes(type);
     vf acc[2][MR];
@@ -167,11 +189,10 @@ static inline __attribute__((always_inline)) void strip_q(int type, int mr, int 
             const vf scale = vf_half(ds[s] + b * TILE * 2);
             for (int i = 0; i < mr; i++) {
                 vi total = sum_total(sum[s][i], passes);
-                if (offset) total = vi_sub32(total, vi_set1_32(offset * xsum[i * nb + b]));
+                if (offset) total = vi_sub32(total, vi_set1_32(xadd[i * nb + b]));
                 acc[s][i] = vf_fma(scale, vf_mul(vf_cvt(total), vf_set1(xd[i * nb + b])), acc[s][i]);
                 if (type == TYPE_Q4_1)  // w = d q + m: the mins times the block's sum of x
-                    acc[s][i] = vf_fma(vf_half(ms[s] + b * TILE * 2), vf_set1(xd[i * nb + b] * (float)xsum[i * nb + b]),
-                                       acc[s][i]);
+                    acc[s][i] = vf_fma(vf_half(ms[s] + b * TILE * 2), vf_set1(term_f32(xadd + i * nb + b)), acc[s][i]);
             }
         }
     }
@@ -185,9 +206,9 @@ static inline int rows_for_two(int passes) { return passes == 2 ? 2 : 4; }
 
 static void strip_q_any(int type, int mr, int passes, int ns, const uint8_t *const *qs, const uint8_t *const *ds,
                         const uint8_t *const *ms, int64_t nb, const int8_t *xq, int64_t K, const float *xd,
-                        const int32_t *xsum, float *out, Ahead ahead) {
+                        const int32_t *xadd, float *out, Ahead ahead) {
     // constant type, rows, passes and strips per instance, so the sums stay in registers
-#define ARGS qs, ds, ms, nb, xq, K, xd, xsum, out, ahead
+#define ARGS qs, ds, ms, nb, xq, K, xd, xadd, out, ahead
 #define ROWS(T, P)  /* ns is 2 only with VNNI: the test lets AVX2 builds skip those instances */              \
     if (ns == 2 && ISA_VNNI) {                                                                                  \
         switch (mr) {                                                                                           \
@@ -303,8 +324,8 @@ static const uint8_t *amx_weights(int type, const uint8_t *group, int64_t nb, ui
         }                                                                                                       \
     } while (0)
 
-// strip_q's scaling of block b's sums (c: pass 0, c + 256: pass 1) into each row's running sums. ``xadd`` per row
-// and block: Q4_0's offset (8 sum x, int32), Q4_1's mins factor (xd sum x, float), as strip_q computes them.
+// strip_q's scaling of block b's sums (c: pass 0, c + 256: pass 1) into each row's running sums. ``xadd``:
+// block_terms (Q4_0's offset 8 sum x, Q4_1's mins factor xd sum x), as strip_q takes them.
 static inline __attribute__((always_inline)) void amx_scale(int type, int passes, const int32_t *c, int64_t b,
                                                               const uint8_t *ds, const uint8_t *ms, int64_t nb,
                                                               const float *xd, const int32_t *xadd, vf acc[AMX_ROWS]) {
@@ -316,7 +337,7 @@ static inline __attribute__((always_inline)) void amx_scale(int type, int passes
         if (passes == 2) total = vi_add32(vi_mullo32(total, vi_set1_32(RATIO)), _mm512_load_si512(c + 256 + 16 * i));
         if (type == TYPE_Q4_0) total = vi_sub32(total, vi_set1_32(xadd[i * nb + b]));
         acc[i] = vf_fma(scale, vf_mul(vf_cvt(total), vf_set1(xd[i * nb + b])), acc[i]);
-        if (type == TYPE_Q4_1) acc[i] = vf_fma(mins, vf_set1(((const float *)xadd)[i * nb + b]), acc[i]);
+        if (type == TYPE_Q4_1) acc[i] = vf_fma(mins, vf_set1(term_f32(xadd + i * nb + b)), acc[i]);
     }
 }
 
@@ -476,16 +497,11 @@ static void amx_bf16_gemm(int passes, uint16_t *xb, int64_t M, int64_t K, const 
 // Bytes of each thread's buffer: a group's B tiles, then the ring of C tiles.
 static int64_t amx_buffer_bytes(int64_t K) { return K / QK * AMX_B_BYTES + AMX_RING * 2 * AMX_C_BYTES; }
 
-// Rows [0, M) of y (M a multiple of 16) from x quantized (xq, xd, xsum: quantize_rows), W in tiles; each thread's
-// buffer (amx_buffer_bytes) at ``buffers`` + its number x ``stride``; xadd: M x nb values of scratch.
-static void amx_gemm(int type, int passes, const int8_t *xq, const float *xd, const int32_t *xsum, int64_t M,
-                     int64_t K, const uint8_t *w, int64_t N, float *y, uint8_t *buffers, int64_t stride,
-                     int32_t *xadd) {
+// Rows [0, M) of y (M a multiple of 16) from x quantized (xq, xd: quantize_rows; xadd: block_terms), W in tiles;
+// each thread's buffer (amx_buffer_bytes) at ``buffers`` + its number x ``stride``.
+static void amx_gemm(int type, int passes, const int8_t *xq, const float *xd, const int32_t *xadd, int64_t M,
+                     int64_t K, const uint8_t *w, int64_t N, float *y, uint8_t *buffers, int64_t stride) {
     const int64_t nb = K / QK, groups = (N + TILE - 1) / TILE, row_bytes = nb * block_bytes(type);
-    if (type == TYPE_Q4_0)
-        for (int64_t i = 0; i < M * nb; i++) xadd[i] = 8 * xsum[i];
-    else if (type == TYPE_Q4_1)
-        for (int64_t i = 0; i < M * nb; i++) ((float *)xadd)[i] = xd[i] * (float)xsum[i];
 #pragma omp parallel
     {
         amx_configure();
@@ -817,12 +833,11 @@ static int64_t thread_bytes(int64_t K) {
     return bytes;
 }
 
-// Bytes of work memory tile_gemm needs for M rows of K on ``threads`` threads (with AMX, the scaling's terms per
-// row and block too).
+// Bytes of work memory tile_gemm needs for M rows of K on ``threads`` threads.
 int64_t tile_work_bytes(int64_t M, int64_t K, int passes, int threads) {
     const int64_t nb = K / QK;
     return round64(passes * pass_rows(M) * K * 2) + round64(M * nb * (int64_t)(sizeof(float) + sizeof(int32_t))) +
-           (int64_t)threads * thread_bytes(K) + (ISA_AMX ? round64(M * nb * 4) : 0) + 64;
+           (int64_t)threads * thread_bytes(K) + 64;
 }
 
 // y (M, N) = x (M, K) @ W^T, W (N, K) in tiles (tile_repack). ``passes``: 1 or 2 (see the top), plus TILE_WIDE
@@ -878,13 +893,13 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
 #endif
     } else if (dots) {
         quantize_rows(x, M, K, passes, xq, xd, xsum);
+        block_terms(type, xd, xsum, M * nb);  // xsum now holds the terms the scaling adds
     }
     int64_t first = 0;  // rows before this one are done (by AMX)
 #if ISA_AMX
     if (!dense && !wide && M >= AMX_ROWS && tile_amx_ready()) {
         first = M / AMX_ROWS * AMX_ROWS;
-        amx_gemm(type, passes, xq, xd, xsum, first, K, w, N, y, (uint8_t *)expanded, thread_bytes(K),
-                 (int32_t *)((uint8_t *)expanded + threads * thread_bytes(K)));
+        amx_gemm(type, passes, xq, xd, xsum, first, K, w, N, y, (uint8_t *)expanded, thread_bytes(K));
         if (first == M) {
             free(owned);
             return 0;
