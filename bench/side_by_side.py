@@ -12,8 +12,8 @@ Up to seven servers, one at a time:
   - Conveyor on that same folder, as stored (bf16 weights: bf16 dots where the CPU has them, else fp32
     arithmetic) and with ``--quantize q8_0``, under the first ``--numerics``;
   - Conveyor on the default GGUF under each ``--numerics`` (fast: x in two int8 passes; int8: one, as
-    llama.cpp's Q8 activations; bf16: from 16 rows the weights widened to bf16, in AMX tiles or with AVX512-BF16's dots), and llama-server
-    on it.
+    llama.cpp's Q8 activations; bf16: from 16 rows the weights widened to bf16, in AMX tiles or with AVX512-BF16's
+    dots), and llama-server on it.
 Ratios are against vLLM (and llama-server for the GGUF rows).
 
 The peers are installed on first use under ``~/.cache/conveyor/bench/`` (``CONVEYOR_CACHE_DIR``), never part

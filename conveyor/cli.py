@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import os
 import logging
+import os
 import sys
 
 from conveyor.config import add_arguments, from_args
@@ -44,9 +44,10 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = from_args(cls, args)  # bad flags fail here, before heavy imports
     logging.getLogger().setLevel(cfg.log_level.upper())
     service = importlib.import_module(SERVICES[args.service][2])
-    # What the imports made (~200,000 objects: torch, grpc, the tokenizers) lives as long as the process: moved out
-    # of the collector's sight, so that a full collection does not walk it in the middle of a step or a token
-    # (~60 ms each here; vLLM freezes its start-up objects too)
+    # What the imports made (the worker's ~199,000 objects with torch, the others' 44,000-54,000) lives as long as
+    # the process: moved out of the collector's sight, so that a full collection does not walk it in the middle of
+    # a step or a token (90 ms in the worker, 6-10 ms in the others; vLLM freezes its start-up objects too).
+    # conveyor_gc_frozen_objects says how many.
     gc.collect()
     gc.freeze()
     service.serve(cfg)

@@ -8,6 +8,7 @@ Each process serves its own registry on ``--metrics-port`` (``/metrics``): the d
 
 from __future__ import annotations
 
+import gc
 import urllib.request
 from dataclasses import dataclass
 
@@ -140,6 +141,8 @@ SPECS = [
     Spec("conveyor_grpc_errors_total", Counter, "gRPC calls answered with an error, by method and status code.",
          "every", ("method", "code")),
     Spec("conveyor_process_up", Gauge, "1 while the process serves (its health is SERVING).", "every"),
+    Spec("conveyor_gc_frozen_objects", Gauge, "Objects the process moved out of the garbage collector's sight before "
+         "serving (gc.freeze of what its imports made): a full collection does not walk them.", "every"),
 ]
 BY_NAME = {s.name: s for s in SPECS}
 
@@ -159,6 +162,8 @@ class Metrics:
             self._metrics[spec.name] = metric = spec.kind(name, spec.help, spec.labels, registry=self.registry, **kwargs)
             for value in spec.known:
                 metric.labels(value)
+        if "conveyor_gc_frozen_objects" in self._metrics:
+            self._metrics["conveyor_gc_frozen_objects"].set_function(gc.get_freeze_count)
 
     def get(self, name: str):
         return self._metrics[name]

@@ -95,6 +95,8 @@ def test_metric_values_agree_with_what_the_client_saw(stack, traffic):
     assert value(dt, "conveyor_detokenizer_tokens_total") >= sum(t["tokens"] for t in traffic)
     stopped = sum(t["reason"] == "stop" for t in traffic)
     assert value(dt, "conveyor_stop_string_matches_total") <= stopped
+    for samples in (fe, sch, wk, dt):  # each process froze what its imports made (tens of thousands of objects)
+        assert value(samples, "conveyor_gc_frozen_objects") > 10_000
 
 
 def test_labelled_counters_dashboards_query_start_at_zero_for_every_known_label():
