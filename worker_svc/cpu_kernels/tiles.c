@@ -945,44 +945,48 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
             ms[count] = type == TYPE_Q4_1 ? ds[count] + nb * TILE * 2 : NULL;
             count++;
         }
-        const int64_t from = (item + 1) * ns * W, to = from + ns * W < groups * TILE ? from + ns * W : groups * TILE;
-        Ahead next = {w + from * row_bytes, to > from ? (to - from) * row_bytes : 0};  // W rows' bytes each
-        Ahead up_next = {NULL, 0};  // fused: the next item's up group (``next`` its gate group)
         if (fused) {
-            const int64_t each = TILE * row_bytes, g = pair_group(item, swiglu), last = item + 1 == items;
+            const int64_t g = pair_group(item, swiglu);
             for (count = 0; count < 2; count++) {
-                n0[count] = count ? second_group(g, swiglu) * TILE : g * TILE;
+                n0[count] = (count ? second_group(g, swiglu) : g) * TILE;
                 qs[count] = w + n0[count] * row_bytes;
             }
-            next = (Ahead){qs[0] + each, last ? 0 : each};
-            up_next = (Ahead){qs[1] + each, last ? 0 : each};
         }
         if (count == 0) continue;
+        // The next item's weights, streamed in while this one runs: the W rows after this item's, or where an item
+        // is a pair of groups (widened, fused), that pair's two groups, one to each call that can take it
+        const int64_t from = (item + 1) * ns * W, to = from + ns * W < groups * TILE ? from + ns * W : groups * TILE;
+        Ahead ahead[2] = {{w + from * row_bytes, to > from ? (to - from) * row_bytes : 0}, {NULL, 0}};
+        if (fused || wide) {
+            const int64_t sw = fused ? swiglu : 0, g = pair_group(item + 1, sw);
+            for (int s = 0; s < 2; s++) {
+                const int64_t next = s ? second_group(g, sw) : g, each = TILE * row_bytes;
+                ahead[s] = (Ahead){w + next * each, item + 1 < items && next < groups ? each : 0};
+            }
+        }
 #if ISA_BF16
-        if (wide) {  // with AVX512 a strip is a group: each widened into this thread's buffer, its share prefetched
+        if (wide) {  // with AVX512 a strip is a group: each widened into this thread's buffer
             uint16_t *buf = (uint16_t *)((uint8_t *)expanded + omp_get_thread_num() * thread_bytes(K));
             for (int s = 0; s < count; s++) {
-                const int64_t each = TILE * row_bytes, left = next.bytes - s * each;  // the next item's group s
-                const Ahead part = fused ? (s ? up_next : next)
-                                         : (Ahead){next.next + s * each, left < 0 ? 0 : left < each ? left : each};
-                wide_any(type, qs[s], nb, buf + s * K * TILE, part);
+                wide_any(type, qs[s], nb, buf + s * K * TILE, ahead[s]);
                 qs[s] = (const uint8_t *)(buf + s * K * TILE);
+                ahead[s].bytes = 0;
             }
-            next.bytes = up_next.bytes = 0;
         }
 #endif
         float out[2 * MR * W] __attribute__((aligned(64)));
         for (int64_t m0 = first; m0 < M; m0 += mrows) {
             const int mr = (int)(M - m0 < mrows ? M - m0 : mrows);
-            const Ahead ahead = m0 == first ? next : m0 == first + mrows ? up_next : (Ahead){NULL, 0};
+            const Ahead next = m0 == first ? ahead[0] : m0 == first + mrows ? ahead[1] : (Ahead){NULL, 0};
             if (dense || wide) strip_bf16_any(mr, passes, count, qs, K, (const uint16_t *)xq + m0 * passes * K, out,
-                                              ahead);
+                                              next);
             else strip_q_any(type, mr, passes, count, qs, ds, ms, nb, xq + m0 * passes * K, K, xd + m0 * nb,
-                             xsum + m0 * nb, out, ahead);
+                             xsum + m0 * nb, out, next);
             if (fused) {  // silu_mul's bits, 8 at a time (I a multiple of 16: no tail)
                 for (int i = 0; i < mr; i++)
                     for (int h = 0; h < W; h += 8) {
-                        const __m256 gate = _mm256_load_ps(out + i * W + h), up = _mm256_load_ps(out + (MR + i) * W + h);
+                        const __m256 gate = _mm256_load_ps(out + i * W + h);
+                        const __m256 up = _mm256_load_ps(out + (MR + i) * W + h);
                         _mm256_storeu_ps(y + (m0 + i) * swiglu + n0[0] + h, silu_mul8(gate, up));
                     }
                 continue;
