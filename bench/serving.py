@@ -9,9 +9,9 @@ Workload per round: ``c`` requests at once, each a prompt of ``--prompt-tokens``
 worker, detokenizer, Redis). Every request's prompt starts with a token of its own, so the served side's
 prefix cache finds nothing to reuse and both sides compute every prompt. The bare loop runs the same shapes on
 an in-process ModelRunner (no gRPC, no Redis): all prompts in one step, then ``max_tokens - 1`` decode steps at batch ``c``.
-Output tokens/s = completion tokens / wall time. Served and bare rounds alternate (one
-at a time, so they never compete for the CPU, and drift in the machine's speed hits both alike);
-the table shows medians.
+Output tokens/s = completion tokens / wall time; ITL = the gaps between two deltas of a stream, as its client
+sees them (percentiles over every stream of every round). Served and bare rounds alternate (one at a time, so
+they never compete for the CPU, and drift in the machine's speed hits both alike); the table shows medians.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from conveyor.client import Client  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
 from conveyor.params import SamplingParams  # noqa: E402
-from worker_svc.config import NUMERICS  # noqa: E402
+from worker_svc.config import NUMERICS, WorkerConfig  # noqa: E402
 from worker_svc.graphs import CudaGraph  # noqa: E402
 from worker_svc.kv_cache import KVCache  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
@@ -62,16 +62,24 @@ def fresh_prompts(prompt_ids: list[int], n: int) -> list[list[int]]:
 
 
 def served(client: Client, concurrency: int, prompt_ids: list[int], max_tokens: int,
-           rounds: int) -> tuple[float, float]:
-    """(output tokens/s, median time to first token in s) over ``rounds`` rounds of ``concurrency`` streams."""
+           rounds: int) -> tuple[float, float, list[float]]:
+    """(output tokens/s, median time to first token in s, every gap in s between two deltas of a stream) over
+    ``rounds`` rounds of ``concurrency`` streams."""
     ttfts: list[float] = []
+    gaps: list[float] = []
 
     def one(ids: list[int]):
         start = time.perf_counter()
-        count, first = 0, None
+        count, first, last = 0, None, None
         for delta in client.stream(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True, temperature=0):
-            if first is None and delta.token_ids:
-                first = time.perf_counter() - start
+            if not delta.token_ids:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now - start
+            else:
+                gaps.append(now - last)
+            last = now
             count += len(delta.token_ids)
         ttfts.append(first)
         return count
@@ -81,7 +89,7 @@ def served(client: Client, concurrency: int, prompt_ids: list[int], max_tokens: 
     with ThreadPoolExecutor(concurrency) as pool:
         for _ in range(rounds):
             tokens += sum(pool.map(one, fresh_prompts(prompt_ids, concurrency)))
-    return tokens / (time.perf_counter() - begin), statistics.median(ttfts)
+    return tokens / (time.perf_counter() - begin), statistics.median(ttfts), gaps
 
 
 def bare(runner: ModelRunner, concurrency: int, prompt_ids: list[int], max_tokens: int, rounds: int) -> float:
@@ -112,6 +120,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating served / bare rounds per concurrency")
     parser.add_argument("--numerics", choices=tuple(NUMERICS), default="fast", help="the worker's --numerics (both sides)")
+    parser.add_argument("--model-nice", type=int, default=WorkerConfig.model_nice,
+                        help="the served worker's --model-nice (0: its model threads at the other processes' priority)")
     parser.add_argument("--model", default="default", help="any --model of `conveyor up` (both sides)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides; on a GPU in bf16, flex attention "
                         "and CUDA graphs, as the worker serves)")
@@ -131,7 +141,7 @@ def main() -> None:
     free = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
     stack = start(UpConfig.of(model=args.model, device=args.device, port=free_port(), worker_port=0, scheduler_port=0,
                            detokenizer_port=0, deliver_port=0, kv_cache_bytes=args.kv_cache_bytes, log_level="WARNING",
-                           numerics=args.numerics, **free))
+                           numerics=args.numerics, model_nice=args.model_nice, **free))
     try:
         with Client(stack.endpoint, timeout=1200) as client:
             prompt = prompt_text(client, args.prompt_tokens)
@@ -142,16 +152,18 @@ def main() -> None:
                   f"{args.max_tokens} output tokens per request, {args.rounds} alternating rounds (medians), "
                   f"{torch.get_num_threads()} threads")
             print(f"{'concurrency':>11}{'served tok/s':>14}{'bare step loop tok/s':>22}{'served/bare':>13}"
-                  f"{'median TTFT s':>15}")
+                  f"{'median TTFT s':>15}{'ITL p50 ms':>12}{'ITL p90 ms':>12}")
             for c in args.concurrency:
                 # served and bare alternate, so that drift in the machine's speed hits both alike
                 rows = [(*served(client, c, prompt_ids, args.max_tokens, 1),
                          bare(runner, c, prompt_ids, args.max_tokens, 1)) for _ in range(args.rounds)]
                 tps = statistics.median(r[0] for r in rows)
                 ttft = statistics.median(r[1] for r in rows)
-                ref = statistics.median(r[2] for r in rows)
-                ratio = statistics.median(r[0] / r[2] for r in rows)
-                print(f"{c:>11}{tps:14.1f}{ref:22.1f}{ratio:13.2f}{ttft:15.3f}", flush=True)
+                ref = statistics.median(r[3] for r in rows)
+                ratio = statistics.median(r[0] / r[3] for r in rows)
+                gaps = sorted(g for r in rows for g in r[2])  # a delta's arrival after the stream's one before
+                p50, p90 = (gaps[int(q * (len(gaps) - 1))] * 1e3 for q in (0.5, 0.9))
+                print(f"{c:>11}{tps:14.1f}{ref:22.1f}{ratio:13.2f}{ttft:15.3f}{p50:12.2f}{p90:12.2f}", flush=True)
     finally:
         stack.stop()
 

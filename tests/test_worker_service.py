@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -218,6 +219,7 @@ def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default
         (["--block-size", "0"], "--block-size must be in [1, 1024]"),
         (["--model", "/nonexistent/model.gguf"], "no such file or folder"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--model-nice", "20"], "--model-nice must be in [0, 19]"),
         (["--kv-cache-dtype", "float16", "--attention", "sdpa"], "--kv-cache-dtype float16: the sdpa backend"),
     ],
 )
@@ -295,6 +297,45 @@ def test_model_threads_spin_through_a_steps_barriers(stub, worker_process, defau
     link.close()
     step(stub, pb.StepRequest(free_seq_ids=["sa", "sb"]))
     assert sleeps < 5 * steps, f"{sleeps} sleeps in {steps} steps"
+
+
+def _threads(pid: int) -> dict[int, tuple[int, int]]:
+    """Per thread of process ``pid``: (CPU clock ticks so far, nice value), from /proc."""
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        threads[int(task.name)] = (int(fields[11]) + int(fields[12]), int(fields[16]))
+    return threads
+
+
+def test_the_model_runs_on_threads_of_lower_priority_than_the_rest(stub, worker_process, default_model):
+    """--model-nice (10 by default on a CPU): the thread that runs the steps and its OpenMP threads are niced, so the
+    scheduler, detokenizer and frontend run as soon as they wake between two tokens; the worker's main thread (and
+    with it the gRPC threads it starts) keep the nice value the process started with."""
+    pid = worker_process[0].pid
+    prompt = default_model.tokenizer.encode("The tallest mountain on Earth is")
+    link = open_link(stub)
+    before = _threads(pid)
+    link.send(pb.StepRequest(step_id=1, chunks=[_pb_chunk(s, prompt, 0, [60 + 2 * i, 61 + 2 * i],
+                                                          SamplingOptions(temperature=0.0), len(prompt))
+                                                for i, s in enumerate(("na", "nb"))]))
+    link.receive(pb.StepResponse.FromString, timeout=60)
+    for i in range(10):
+        chunks = [pb.SequenceChunk(seq_id=s, start_pos=len(prompt) + i, sample=True, decode_last=True)
+                  for s in ("na", "nb")]
+        link.send(pb.StepRequest(step_id=2 + i, chunks=chunks))
+        link.receive(pb.StepResponse.FromString, timeout=60)
+    after = _threads(pid)
+    link.close()
+    step(stub, pb.StepRequest(free_seq_ids=["na", "nb"]))
+    used = {tid: ticks - before.get(tid, (0, 0))[0] for tid, (ticks, _) in after.items()}
+    computing = [tid for tid, ticks in used.items() if ticks > 0.2 * max(used.values())]
+    assert len(computing) >= min(2, torch.get_num_threads()), used
+    assert {after[tid][1] for tid in computing} == {min(19, after[pid][1] + 10)}, (used, after)
+    assert after[pid][1] == os.getpriority(os.PRIO_PROCESS, 0)  # the main thread as it started (as this process)
 
 
 def test_the_kv_cache_holds_fp16_under_the_fast_numerics_and_fp32_under_exact(default_model):

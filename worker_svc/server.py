@@ -6,6 +6,7 @@ Protobuf messages are converted to the runner's dataclasses here and nowhere els
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -204,9 +205,21 @@ def small_step_threads(setting: int, threads: int, model) -> int:
     return max(1, threads - 1) if setting < 0 and quantized else threads
 
 
+def lower_priority(step: int) -> None:
+    """Add ``step`` to this thread's nice value (at most 19), before it starts its OpenMP threads: Linux keeps a
+    nice value per thread and a new thread starts with its creator's. Raising it needs no privilege."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
+    except OSError as exc:  # not Linux's per-thread semantics, or a sandbox that refuses it
+        log.warning("could not lower the model thread's priority (--model-nice): %s", exc)
+
+
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel, worker_pb2.InfoResponse]:
     """Load the model, size and allocate the KV cache, and describe it all for ``Info``."""
     device = resolve_device(cfg.device)
+    if device.type == "cpu" and cfg.model_nice:
+        lower_priority(cfg.model_nice)
     dtype = resolve_dtype(cfg.dtype, device)
     cpu_kernels.use_isa(cfg.cpu_isa)
     started = time.perf_counter()
