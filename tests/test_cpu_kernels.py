@@ -95,24 +95,28 @@ def test_tiles_multiply_any_number_of_rows_and_a_row_does_not_depend_on_the_othe
 
 @pytest.mark.skipif(len(cpu_kernels.supported_isas()) < 2, reason="this CPU has one of the kernels' instruction sets")
 @pytest.mark.parametrize("qtype", TILED, ids=lambda t: t.name)
-def test_every_instruction_set_gives_the_same_fast_product(qtype):
-    """Integer dots sum exactly and scale per block in the same order on every instruction set, so AVX2 and
-    AVX512-VNNI give the same bits; bf16 dots (emulated on AVX2, AMX's tiles in their own order) the same up to
-    the rounding of fp32 sums (each sum of K products within K u of the sum of their magnitudes)."""
+@pytest.mark.parametrize("passes", [1, 2])
+def test_every_instruction_set_gives_the_same_fast_product(qtype, passes):
+    """x quantizes with the same operations per value (8 lanes on AVX2, 16 with AVX512), integer dots sum exactly
+    and scale per block in the same order on every instruction set, so AVX2 and AVX512-VNNI give the same bits;
+    bf16 dots (emulated on AVX2, AMX's tiles in their own order) the same up to the rounding of fp32 sums (each
+    sum of K products within K u of the sum of their magnitudes)."""
     n, k = 50, 256
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    x[1, 32:64] = 0  # a block of zeros (its scale 0)
     results = {}
     for name in cpu_kernels.supported_isas():
         cpu_kernels.use_isa(name)
         try:
             qweight, dense = _quantized(qtype, n, k, seed=7, tiles=True)
-            results[name] = cpu_kernels.qgemm(x[: min(5, cpu_kernels.int8_max_rows(2))], qweight, int(qtype), n, 2)
+            rows = min(5, cpu_kernels.int8_max_rows(passes))
+            results[name] = cpu_kernels.qgemm(x[:rows], qweight, int(qtype), n, passes)
         finally:
             cpu_kernels.use_isa("auto")
     first = results.pop("avx2")
     for name, y in results.items():
-        if qtype == Q.BF16:  # two passes of x: 2k products a sum
-            bound = 2 * (2 * k) * 2.0**-24 * (x[: len(first)].abs() @ dense.abs().T)
+        if qtype == Q.BF16:  # ``passes`` bf16 parts of x: passes * k products a sum
+            bound = 2 * (passes * k) * 2.0**-24 * (x[: len(first)].abs() @ dense.abs().T)
             assert bool(((y[: len(first)] - first).abs() <= bound).all()), name
             assert not torch.equal(first, x[: len(first)] @ dense.T)  # x was rounded to bf16
         else:
