@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from conveyor.bench import percentiles  # noqa: E402
 from conveyor.client import Client  # noqa: E402
 from conveyor.config import parse_size  # noqa: E402
 from conveyor.launcher import UpConfig, free_port, start  # noqa: E402
@@ -161,9 +162,9 @@ def main() -> None:
                 ttft = statistics.median(r[1] for r in rows)
                 ref = statistics.median(r[3] for r in rows)
                 ratio = statistics.median(r[0] / r[3] for r in rows)
-                gaps = sorted(g for r in rows for g in r[2])  # a delta's arrival after the stream's one before
-                p50, p90 = (gaps[int(q * (len(gaps) - 1))] * 1e3 for q in (0.5, 0.9))
-                print(f"{c:>11}{tps:14.1f}{ref:22.1f}{ratio:13.2f}{ttft:15.3f}{p50:12.2f}{p90:12.2f}", flush=True)
+                itl = percentiles([g for r in rows for g in r[2]])  # a delta's arrival after its stream's last
+                print(f"{c:>11}{tps:14.1f}{ref:22.1f}{ratio:13.2f}{ttft:15.3f}{itl['p50'] * 1e3:12.2f}"
+                      f"{itl['p90'] * 1e3:12.2f}", flush=True)
     finally:
         stack.stop()
 

@@ -263,16 +263,21 @@ def test_step_stream_runs_queued_steps_in_order(stub, default_model):
     step(stub, pb.StepRequest(free_seq_ids=["st"]))
 
 
-def _sleeps(pid: int) -> int:
-    """Times the threads of process ``pid`` went to sleep of their own accord (voluntary context switches)."""
-    total = 0
+def _task_files(pid: int, name: str) -> dict[int, str]:
+    """Per thread of process ``pid``: its /proc file ``name`` (``status``, ``stat``)."""
+    files = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            status = (task / "status").read_text()
+            files[int(task.name)] = (task / name).read_text()
         except OSError:  # the thread ended
             continue
-        total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
-    return total
+    return files
+
+
+def _sleeps(pid: int) -> int:
+    """Times the threads of process ``pid`` went to sleep of their own accord (voluntary context switches)."""
+    return sum(int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+               for status in _task_files(pid, "status").values())
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: the model runs on one thread, with no barriers")
@@ -301,14 +306,8 @@ def test_model_threads_spin_through_a_steps_barriers(stub, worker_process, defau
 
 def _threads(pid: int) -> dict[int, tuple[int, int]]:
     """Per thread of process ``pid``: (CPU clock ticks so far, nice value), from /proc."""
-    threads = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended
-            continue
-        threads[int(task.name)] = (int(fields[11]) + int(fields[12]), int(fields[16]))
-    return threads
+    fields = {tid: stat.rsplit(")", 1)[1].split() for tid, stat in _task_files(pid, "stat").items()}
+    return {tid: (int(f[11]) + int(f[12]), int(f[16])) for tid, f in fields.items()}
 
 
 def test_the_model_runs_on_threads_of_lower_priority_than_the_rest(stub, worker_process, default_model):
