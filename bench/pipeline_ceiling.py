@@ -4,7 +4,9 @@ negligible, served through the real stack (frontend, scheduler, worker, detokeni
     python bench/pipeline_ceiling.py                      # 1, 32 and 128 streams
     python bench/pipeline_ceiling.py --streams 128 --max-tokens 128
     python bench/pipeline_ceiling.py --streams 1 128 --profile /tmp/prof   # and where each process spends it
+    python bench/pipeline_ceiling.py --streams 128 --profile /tmp/prof --gil   # only its Python's CPU
     python bench/pipeline_ceiling.py --api openai        # the clients on the OpenAI HTTP API instead of gRPC
+    python bench/pipeline_ceiling.py --streams 128 --stream-interval 4   # the frontend sends 4 tokens a message
 
 The model is made here: a 1-layer Llama with hidden size 64 and random weights, with the default
 model's tokenizer (vocabulary 49,152), written as a Hugging Face folder in a temporary directory.
@@ -92,16 +94,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
-def start_profiles(pids: dict[str, int], folder: Path, tag: str) -> list[tuple[subprocess.Popen, Path]]:
-    """py-spy on every service process, until ``report_profiles``."""
+def start_profiles(pids: dict[str, int], folder: Path, tag: str, gil: bool = False) -> list[tuple[subprocess.Popen, Path]]:
+    """py-spy on every service process, until ``report_profiles``; ``gil``: only the thread holding the GIL
+    (where each process's Python spends its CPU, not where its threads wait)."""
     folder.mkdir(parents=True, exist_ok=True)
     running = []
     for name, pid in pids.items():
         if name in ("redis", "client"):
             continue
         out = folder / f"{tag}-{name}.txt"
-        proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
-                                 "--nonblocking", "--output", str(out)], stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "1000" if gil else "200",
+                                 "--nonblocking", *(["--gil"] if gil else []), "--output", str(out)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         running.append((proc, out))
     time.sleep(1.0)  # py-spy attaches
@@ -158,6 +161,8 @@ def main() -> None:
     parser.add_argument("--api", choices=("conveyor", "openai"), default="conveyor",
                         help="the clients' API: gRPC through the SDK, or the OpenAI HTTP API (streamed completions)")
     parser.add_argument("--profile", type=Path, help="sample each service with py-spy into this folder")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the frontend's --stream-interval")
+    parser.add_argument("--gil", action="store_true", help="with --profile: sample only the thread holding the GIL")
     args = parser.parse_args()
     if args.profile and not shutil.which("py-spy"):
         parser.error("--profile needs py-spy on PATH (pip install py-spy)")
@@ -166,6 +171,7 @@ def main() -> None:
         stack = start(UpConfig.of(model=str(model), port=free_port(), http_port=free_port(), worker_port=0,
                                scheduler_port=0, detokenizer_port=0, deliver_port=0, kv_cache_bytes=256 << 20, max_num_seqs=256, log_level="WARNING",
                                numerics=args.numerics, internal_tls=args.internal_tls,
+                               stream_interval=args.stream_interval,
                                data_dir=str(Path(tmp) / "redis"),
                                **{f"{n}_metrics_port": 0 for n in ("frontend", "scheduler", "worker", "detokenizer")}))
         try:
@@ -177,10 +183,11 @@ def main() -> None:
                     OpenAIBackend(BenchConfig(target=stack.http_endpoint, backend="openai", model=str(model)))
                 level(backend, pids, 4, 4, 8)  # warm-up
                 what = "tiny random Llama (1 layer, hidden 64, vocab 49,152)" if args.model == "tiny" else args.model
-                print(f"{what}, {args.max_tokens} output tokens per request, {os.cpu_count()} cores, {args.api} API")
+                print(f"{what}, {args.max_tokens} output tokens per request, {os.cpu_count()} cores, {args.api} API, "
+                      f"stream interval {args.stream_interval}")
                 print(f"{'streams':>8}{'tok/s':>10}   CPU ms per output token: " + "".join(f"{n:>12}" for n in names))
                 for streams in args.streams:
-                    profiles = start_profiles(pids, args.profile, str(streams)) if args.profile else []
+                    profiles = start_profiles(pids, args.profile, str(streams), args.gil) if args.profile else []
                     r = level(backend, pids, streams, streams * args.requests_per_stream, args.max_tokens)
                     cpu = r["cpu_ms_per_token"]
                     print(f"{streams:>8}{r['tokens_per_second']:10.1f}{'':28}" + "".join(f"{cpu[n]:12.3f}" for n in names),

@@ -54,27 +54,34 @@ def registration_pb(request: Request, chunk: worker_pb2.SequenceChunk | None = N
     return chunk
 
 
-def chunk_pb(c) -> worker_pb2.SequenceChunk:
-    chunk = worker_pb2.SequenceChunk(seq_id=c.request.request_id, token_ids=c.token_ids, start_pos=c.start_pos,
-                                     new_block_ids=c.new_blocks, sample=c.sample, decode_last=c.decode_last,
-                                     max_drafts=c.max_drafts)
+def chunk_pb(c, chunk: worker_pb2.SequenceChunk) -> None:
+    """Fill ``chunk`` (added to its step in place) with ``c``: only the fields that are set, since a decode's chunk
+    holds little more than its id, and building one is most of a step's message at a few hundred requests."""
+    chunk.seq_id, chunk.start_pos, chunk.sample, chunk.decode_last = (c.request.request_id, c.start_pos, c.sample,
+                                                                     c.decode_last)
+    if c.token_ids:
+        chunk.token_ids.extend(c.token_ids)
+    if c.new_blocks:
+        chunk.new_block_ids.extend(c.new_blocks)
+    if c.max_drafts:
+        chunk.max_drafts = c.max_drafts
     if c.registers:
         registration_pb(c.request, chunk)
         chunk.cached_token_ids.extend(c.cached_ids)
-    return chunk
 
 
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
     """The step on the wire. A chunk whose request's data does not fit the wire (a value out of a field's
     range: a bug upstream, or a record written by an older frontend) fails that request alone
     (``StepFailed`` with ``fatal``), never the worker's health or the other requests."""
-    chunks = []
+    step = worker_pb2.StepRequest(step_id=plan.step, free_seq_ids=plan.free_ids, free_all=plan.free_all)
+    add = step.chunks.add
     for c in plan.chunks:
         try:
-            chunks.append(chunk_pb(c))
+            chunk_pb(c, add())
         except Exception as exc:  # noqa: BLE001 - whatever this request's data raised, it is this request's
             raise StepFailed(f"{type(exc).__name__}: {exc}", c.request.request_id, fatal=True) from exc
-    return worker_pb2.StepRequest(step_id=plan.step, chunks=chunks, free_seq_ids=plan.free_ids, free_all=plan.free_all)
+    return step
 
 
 def _alternatives(t: worker_pb2.SampledToken) -> list[tuple[int, float]]:
@@ -89,12 +96,13 @@ def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
         return t.token_id, (t.logprob, _alternatives(t)) if seq_id in wants else None
 
     answer = Answer({})
+    sampled = answer.sampled
     for t in reply.tokens:
         seq_id = t.seq_id
         if t.error:
             answer.failed[seq_id] = t.error
             continue
-        answer.sampled[seq_id] = token(t, seq_id)
+        sampled[seq_id] = (t.token_id, None) if seq_id not in wants else token(t, seq_id)
         if t.accepted:
             answer.accepted[seq_id] = [token(a, seq_id) for a in t.accepted]
         if t.drafted:
@@ -106,15 +114,19 @@ def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
 
 
 def outputs_to_pb(step: int, outputs: list[Output]) -> detokenizer_pb2.TokenBatch:
-    entries = []
+    """A step's outputs for the detokenizer, each entry added in place with only the fields that are set (one
+    token and no finish, most of them)."""
+    batch = detokenizer_pb2.TokenBatch(step=step)
+    add = batch.requests.add
     for o in outputs:
-        entries.append(detokenizer_pb2.RequestTokens(
-            request_id=o.request.request_id, first_index=o.first_index, token_ids=o.token_ids,
-            finish_reason=FINISH_TO_PB[o.finish_reason],
-            stopped_by_token=o.finish_reason == "stop" and o.request.stopped_by_token,
-            logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(o.token_ids, o.logprobs)],
-        ))
-    return detokenizer_pb2.TokenBatch(step=step, requests=entries)
+        entry = add(request_id=o.request.request_id, first_index=o.first_index)
+        entry.token_ids.extend(o.token_ids)
+        if o.finish_reason is not None:
+            entry.finish_reason = FINISH_TO_PB[o.finish_reason]
+            entry.stopped_by_token = o.finish_reason == "stop" and o.request.stopped_by_token
+        if o.logprobs:
+            entry.logprobs.extend(logprobs_to_pb(t, lp) for t, lp in zip(o.token_ids, o.logprobs))
+    return batch
 
 
 # ---------------------------------------------------------------- the worker feed

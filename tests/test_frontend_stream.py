@@ -33,6 +33,29 @@ def test_a_merged_delta_stops_at_the_finish_and_later_ones_wait():
     assert (second.text, second.token_ids, second.first_token_index, second.finish_reason) == ("bc", [2, 3], 1, None)
 
 
+def test_with_an_interval_the_first_token_goes_at_once_then_every_interval_tokens_and_the_finish():
+    stream = ClientStream("key", prompt_tokens=1, interval=3)
+    woken = []
+    stream.wake = lambda: woken.append(1)
+
+    def offer(i: int, finish: str | None = None) -> None:
+        stream.offer(Delta("key", i, text=chr(97 + i), first_token_index=i, token_ids=[i], finish_reason=finish))
+
+    offer(0)
+    assert stream.take().token_ids == [0] and len(woken) == 1  # the time to first token is not held back
+    offer(1)
+    offer(2)
+    assert stream.take() is None and len(woken) == 1  # two of three: held, the follower not woken
+    offer(3)
+    third = stream.take()
+    assert (third.text, third.token_ids, third.first_token_index, len(woken)) == ("bcd", [1, 2, 3], 1, 2)
+    offer(4)
+    assert stream.take() is None
+    offer(5, finish="length")
+    last = stream.take()
+    assert (last.token_ids, last.finish_reason, len(woken)) == ([4, 5], "length", 3)  # the finish is not held
+
+
 def _follow_with_replays(replies, live):
     """Follow a stream that is behind (its first delta, "Hel", arrived; the rest went missing), on a frontend
     whose replays answer ``replies`` in turn. ``live(frontend)`` runs beside it: the detokenizer's live

@@ -15,7 +15,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import conveyor_command, drained, start_stack
+from helpers import conveyor_command, drained, extra_frontend, start_stack, stop
 
 from conveyor.client import Client
 from conveyor.launcher import free_port
@@ -87,6 +87,31 @@ def test_the_openai_client_streams_and_n_gives_n_choices(client, model):
     assert sorted(c.index for c in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 18
     again = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=3, temperature=0.8, seed=7)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_that_many_tokens_a_chunk(stack, client, model, tmp_path):
+    """--stream-interval 4: a stream's first token is sent alone (its latency is not held back), later ones in
+    chunks of at least four (the finish may come with fewer), the same text as every token streamed alone."""
+    (tmp_path / "keys").write_text(f"tester:{KEY}\n")
+    port = free_port()
+    proc, _ = extra_frontend(stack, "--http-port", str(port), "--api-keys-file", str(tmp_path / "keys"),
+                             "--stream-interval", "4")
+    try:
+        gathered = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        def chunks(c: openai.OpenAI) -> list[tuple[str, int]]:
+            stream = c.completions.create(model=model, prompt=PROMPT, max_tokens=11, temperature=0, stream=True,
+                                          logprobs=0, extra_body={"ignore_eos": True})
+            return [(ch.choices[0].text, len(ch.choices[0].logprobs.tokens)) for ch in stream
+                    if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.tokens]
+
+        alone, held = chunks(client), chunks(gathered)
+    finally:
+        stop(proc)
+    assert "".join(t for t, _ in held) == "".join(t for t, _ in alone)
+    sizes = [n for _, n in held]
+    assert sum(sizes) == 11 and sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]), sizes
+    assert len(sizes) <= 4 < len(alone), (sizes, alone)
 
 
 def test_tokenize_and_detokenize_round_trip_as_the_grpc_api_tokenizes(stack, base):

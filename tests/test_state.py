@@ -63,6 +63,26 @@ def test_a_command_redis_refuses_is_that_requests_alone_and_the_rewrite_heals_it
     assert writer.execute() == set() and store.get(bad.request_id).output_ids == [6]
 
 
+def test_a_step_too_long_for_the_script_appends_and_checks_the_same(redis_server):
+    """A restore longer than a script's arguments sends the step as a pipeline: the decode appends in it land
+    the same, and one whose record Redis lost is still reported for a rewrite."""
+    store = _store(redis_server)
+    long, kept, lost = (RequestRecord(uuid.uuid4().hex, [1, 2], RequestParams()) for _ in range(3))
+    assert store.create(long) and store.create(kept) and store.create(lost)
+    assert _append(store, kept.request_id, [4], 1) == set()
+    store.redis.delete(store.key(lost.request_id))  # Redis restarted and lost it
+    long.output_ids, long.num_output, long.status = list(range(5000)), 5000, "running"
+    writer = store.writer()
+    writer.restore(long)
+    writer.tokens(kept.request_id, [5, 6], 3, None)
+    writer.tokens(kept.request_id, [5, 6], 3, None)  # twice in one step: still added once
+    writer.tokens(lost.request_id, [7], 1, None)
+    assert writer.execute() == {lost.request_id}
+    assert store.get(long.request_id).output_ids == list(range(5000))
+    back = store.get(kept.request_id)
+    assert (back.output_ids, back.num_output, back.status) == ([4, 5, 6], 3, "running")
+
+
 def test_claiming_an_expired_record_does_not_bring_back_a_hash_without_a_ttl(redis_server):
     store = RequestStore.from_url(redis_server, prefix=f"state-{uuid.uuid4().hex[:8]}")
     record = RequestRecord(uuid.uuid4().hex, [1, 2], RequestParams())

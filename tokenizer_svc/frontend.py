@@ -62,8 +62,11 @@ POLL_SECONDS = 0.25  # how often every stream waiting for deltas is woken to loo
 
 
 class ClientStream:
+    """``interval``: tokens gathered before the next message goes to the client (the first message and the finish
+    go at once); 1 sends every delta as it comes (``FrontendConfig.stream_interval``)."""
+
     def __init__(self, request_id: str, prompt_tokens: int, num_tokens: int = 0, text_len: int = 0,
-                 client_id: str = ""):
+                 client_id: str = "", interval: int = 1):
         self.request_id = request_id  # the request's key (what every process and Redis know it by)
         self.client_id = client_id or request_id  # the client's name for it (what the client sees)
         self.prompt_tokens = prompt_tokens
@@ -76,8 +79,11 @@ class ClientStream:
         self.suspect: tuple[int, bool] | None = None  # Redis's (tokens, finished) at the last look, when ahead
         self.scores_prompt = False  # it asked for prompt_logprobs: the first delta brings them (from Redis)
         self.prompt_ids: list[int] = []  # with scores_prompt: the prompt (echoed with its scores)
+        self.interval = interval
         self._queue: deque[ClientDelta] = deque()  # the loop's alone: no lock
-        self.wake: Callable[[], None] = lambda: None  # called after each delta queued
+        self._held = 0  # tokens queued since the last message
+        self._sent = False  # a message went to the client
+        self.wake: Callable[[], None] = lambda: None  # called after each delta queued that makes the stream ready
 
     def offer(self, d: Delta) -> None:
         """Queue the unseen part of a delta (on the event loop: the deliver link's live ones, ``keep_up``'s replayed ones)."""
@@ -100,11 +106,18 @@ class ClientStream:
             self.finished = True
             out.prompt_tokens, out.completion_tokens = d.prompt_tokens, d.completion_tokens
         self._queue.append(out)
-        self.wake()
+        self._held += len(tokens)
+        if self.ready:
+            self.wake()
 
     @property
-    def queued(self) -> bool:
-        return bool(self._queue)
+    def ready(self) -> bool:
+        """Whether a message is due to the client: something is queued and, with an ``interval``, it is the first
+        message, the finish, or at least ``interval`` tokens."""
+        if not self._queue:
+            return False
+        return (self.interval <= 1 or self._held >= self.interval or not self._sent
+                or self._queue[-1].finish_reason is not None)
 
     def due(self, now: float) -> bool:
         """Whether ``Frontend.keep_up`` has work now (a replay, or a look at Redis), without I/O."""
@@ -114,9 +127,10 @@ class ClientStream:
 
     def take(self) -> ClientDelta | None:
         """The next delta, merged with those already queued behind it (a frontend that fell behind by a
-        few steps sends its client one message, not one per token); None when nothing waits."""
-        if not self._queue:
+        few steps sends its client one message, not one per token); None when no message is due (``ready``)."""
+        if not self.ready:
             return None
+        self._held, self._sent = 0, True
         out = self._queue.popleft()
         while out.finish_reason is None and self._queue:
             more = self._queue.popleft()
@@ -131,14 +145,16 @@ class Frontend:
     def __init__(self, tokenizer: ModelTokenizer, store: AsyncRequestStore, limits: Limits, address: str,
                  submit: Callable[[RequestRecord], Awaitable[None]], abort: Callable[[str], Awaitable[bool]],
                  replay: Callable[[str, str], Awaitable[list[Delta]]],
-                 route: Callable[[list[int], str], Awaitable[str]] | None = None, shared_prefix_cache: bool = False):
+                 route: Callable[[list[int], str], Awaitable[str]] | None = None, shared_prefix_cache: bool = False,
+                 stream_interval: int = 1):
         """``address``: where the detokenizer reaches this frontend's internal service; ``submit(record)`` hands a
         recorded request to its engine (it may change ``record.engine`` for a retry when that engine is gone);
         ``replay(request_id, address)``: the detokenizer's deltas of the request so far, rebuilt from Redis;
         ``route(prompt_ids, cache_scope)``: the engine a new request goes to. Each is a coroutine function.
         ``shared_prefix_cache``: every API key reuses every other's cached prefixes (a trusted deployment); else
-        each key has its own."""
+        each key has its own. ``stream_interval``: each stream's ``ClientStream.interval``."""
         self.shared_prefix_cache = shared_prefix_cache
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.store = store
         self.limits = limits
@@ -188,7 +204,7 @@ class Frontend:
         engine = await _with_redis(lambda: self.route(prompt_ids, params.cache_scope), "choosing an engine")
         record = RequestRecord(request_id, prompt_ids, params, frontend=self.address, owner=owner,
                                client_id=inp.request_id, engine=engine)
-        stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id)
+        stream = ClientStream(request_id, len(prompt_ids), client_id=record.client_id, interval=self.stream_interval)
         stream.scores_prompt = params.sampling.prompt_logprobs is not None
         stream.prompt_ids = prompt_ids if stream.scores_prompt else []  # kept only to echo them with their scores
         self.streams[request_id] = stream
@@ -292,7 +308,8 @@ class Frontend:
             raise InvalidArgument(f"token_index must be at most the {len(record.output_ids)} tokens generated so "
                                   f"far, got {token_index}")
         request_id = record.request_id
-        stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset, client_id)
+        stream = ClientStream(request_id, len(record.prompt_ids), token_index, text_offset, client_id,
+                              self.stream_interval)
         stream.scores_prompt = record.params.sampling.prompt_logprobs is not None
         stream.prompt_ids = record.prompt_ids if stream.scores_prompt else []
         self.streams[request_id] = stream  # replaces a stream whose client went away unnoticed

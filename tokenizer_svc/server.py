@@ -417,7 +417,7 @@ async def _serve(cfg: FrontendConfig) -> None:
                     max_logit_bias=cfg.max_logit_bias, max_grammar_bytes=cfg.max_grammar_bytes)
     detokenizer = DetokenizerClient(cfg.detokenizer)
     frontend = Frontend(tokenizer, store, limits, cfg.deliver_address, engines.submit, engines.abort,
-                        detokenizer.replay, engines.route, cfg.shared_prefix_cache)
+                        detokenizer.replay, engines.route, cfg.shared_prefix_cache, cfg.stream_interval)
     frontend.on_stalled = metrics.stalled_streams.inc
     frontend.defaults = sampling_defaults(cfg.model)
     log.info("sampling defaults for unset fields: %s", frontend.defaults)

@@ -75,8 +75,8 @@ async def follow(stream: ClientStream, frontend: Frontend, timer: RequestTimer, 
             delta = stream.take()
             if delta is None:
                 frontend.tick()
-                await ready.wait()  # a delta, or the frontend's tick
-                if not stream.queued:
+                await ready.wait()  # a message due, or the frontend's tick
+                if not stream.ready:
                     await frontend.keep_up(stream)
                 continue
             if delta.finish_reason == "error":  # the request could not be computed: say why
