@@ -166,20 +166,20 @@ class StepScript:
         self.sha = client.register_script(_FENCED_STEP).sha
         self._local = threading.local()
 
-    def __call__(self, keys: list[str], args: list) -> list:
+    def __call__(self, *args: str) -> list:
         try:
-            return self._call(keys, args)
+            return self._call(args)
         except NoScriptError:
             self.client.script_load(_FENCED_STEP)
         except REDIS_DOWN:
             self._local.conn.disconnect()
-        return self._call(keys, args)
+        return self._call(args)
 
-    def _call(self, keys: list[str], args: list) -> list:
+    def _call(self, args: tuple[str, ...]) -> list:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self.client.connection_pool.get_connection()  # never given back: this thread's
-        conn.send_packed_command(conn.pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
+        conn.send_packed_command(conn.pack_command("EVALSHA", self.sha, 0, *args))
         return conn.read_response()
 
 
@@ -375,16 +375,17 @@ local function append(key, n, a, first)
 end
 """
 _APPEND_ALONE = _APPEND + "return append(KEYS[1], tonumber(ARGV[1]), ARGV, 2)"  # KEYS: hash; ARGV: n, tokens
-# A step's write in one round trip. KEYS: the records the step writes; ARGV: the owner (empty: an engine alone, no
-# fence), then the commands as one JSON array of argument arrays (one string, so a step of a few hundred requests is
-# encoded by one json.dumps, not argument by argument: that was most of the scheduler's CPU per token). Returns
+# A step's write in one round trip. ARGV: the owner (empty: an engine alone, no fence), the commands as one JSON array
+# of argument arrays, and the keys of the records the step writes as one JSON array (empty without a fence): one
+# string each, so a step of a few hundred requests is encoded by two json.dumps, not argument by argument in redis-py
+# (that was most of the scheduler's CPU per token; the keys alone, ~60 us a step at 128 requests). Returns
 # {indices of the records another engine holds, results}: nothing is run when the first is not empty. A script runs
 # alone, so no other client's write can fall between the check and the commands (what WATCH ensured in the
 # three-round-trip form). A command Redis refuses is its result, as an error.
 _FENCED_STEP = _APPEND + """
 local taken = {}
 if ARGV[1] ~= '' then
-  for i, key in ipairs(KEYS) do
+  for i, key in ipairs(cjson.decode(ARGV[3])) do
     local ok, holder = pcall(redis.call, 'HGET', key, 'engine')  -- not a hash: its own commands fail below
     if ok and holder and holder ~= '' and holder ~= ARGV[1] then taken[#taken + 1] = i end
   end
@@ -498,10 +499,10 @@ class StepWriter:
         """Run the commands, fenced when ``owner`` is set: in the step's script, or (a command too long for a
         script) in a pipeline, under WATCH and MULTI when fenced."""
         ids = list(dict.fromkeys(self._op_request))
-        keys = [self.store.key(rid) for rid in ids]
+        keys = [self.store.key(rid) for rid in ids] if owner else []
         if max(map(len, self.commands)) <= _SCRIPT_MAX_ARGS:
             commands = json.dumps(self.commands, ensure_ascii=False, separators=(",", ":"))
-            taken, results = self.store.fenced_step(keys, [owner, commands])
+            taken, results = self.store.fenced_step(owner, commands, json.dumps(keys, ensure_ascii=False))
             if taken:
                 raise Fenced({ids[i - 1] for i in taken})
             return results

@@ -490,34 +490,35 @@ class Scheduler:
         Requests aborted or finished while the step ran are skipped (their results are dropped)."""
         now = time.time() if now is None else now
         outputs = []
+        requests, running, accepted, drafted = self.requests, Status.RUNNING, accepted or {}, drafted or {}
         for chunk in plan.chunks:
             request = chunk.request
-            stale = chunk.epoch != request.epoch or self.requests.get(request.request_id) is not request
-            if stale or request.status is not Status.RUNNING:
-                continue
-            if scored and request.request_id in scored:
-                request.keep_scores(*scored[request.request_id])
+            rid = request.request_id
+            if chunk.epoch != request.epoch or requests.get(rid) is not request or request.status is not running:
+                continue  # stale: preempted, aborted or finished meanwhile
+            if scored and rid in scored:
+                request.keep_scores(*scored[rid])
             if not chunk.sample:
                 continue
             request.samples_in_flight -= 1
             request.drafts_in_flight -= chunk.max_drafts
             request.suspect = False  # a step that held it succeeded
-            if failed and request.request_id in failed:
-                request.error = failed[request.request_id]
+            if failed and rid in failed:
+                request.error = failed[rid]
                 outputs.append(self._finish(request, "error"))
                 continue
-            confirmed = (accepted or {}).get(request.request_id, [])
-            tried = (drafted or {}).get(request.request_id, 0)
-            self.counters.drafted += tried
-            self.counters.verifies += tried > 0
-            self.counters.accepted += len(confirmed)
-            self._judge_drafts(request, tried, len(confirmed))
-            request.num_computed += len(confirmed)  # the worker computed their KV, verifying them
+            confirmed, tried = accepted.get(rid, ()), drafted.get(rid, 0)
+            if tried or confirmed:  # speculation's (nothing to count for a plain decode)
+                self.counters.drafted += tried
+                self.counters.verifies += tried > 0
+                self.counters.accepted += len(confirmed)
+                self._judge_drafts(request, tried, len(confirmed))
+                request.num_computed += len(confirmed)  # the worker computed their KV, verifying them
             if request.first_token_time is None:
                 request.first_token_time = now
                 request.first_token_at = time.monotonic()
             output = Output(request, len(request.output_ids), [])
-            for token, logprobs in [sampled[request.request_id], *confirmed]:
+            for token, logprobs in (sampled[rid], *confirmed):
                 request.output_ids.append(token)
                 output.token_ids.append(token)
                 if logprobs is not None:
