@@ -85,12 +85,18 @@ def delta_from_pb(d: frontend_pb2.Delta) -> Delta:
 
 
 def client_delta_to_pb(d: ClientDelta) -> conveyor_pb2.GenerateResponse:
-    return conveyor_pb2.GenerateResponse(
-        request_id=d.request_id, text=d.text, token_ids=d.token_ids, first_token_index=d.first_token_index,
-        finish_reason=FINISH_TO_PB[d.finish_reason], prompt_tokens=d.prompt_tokens,
-        completion_tokens=d.completion_tokens, logprobs=d.logprobs,
-        prompt_logprobs=[logprobs_to_pb(t, (lp, top)) for t, lp, _rank, top in d.prompt_logprobs or ()],
-    )
+    """Only the fields that are set (a token's text and id, most of them): one of these goes per token."""
+    pb = conveyor_pb2.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids,
+                                       first_token_index=d.first_token_index)
+    if d.finish_reason is not None:
+        pb.finish_reason = FINISH_TO_PB[d.finish_reason]
+    if d.prompt_tokens or d.completion_tokens:
+        pb.prompt_tokens, pb.completion_tokens = d.prompt_tokens, d.completion_tokens
+    if d.logprobs:
+        pb.logprobs.extend(d.logprobs)
+    if d.prompt_logprobs:
+        pb.prompt_logprobs.extend(logprobs_to_pb(t, (lp, top)) for t, lp, _rank, top in d.prompt_logprobs)
+    return pb
 
 
 # ---------------------------------------------------------------- the scheduler, as the core sees it
