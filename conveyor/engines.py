@@ -239,6 +239,7 @@ class Router:
         self._read: list[EngineInfo] | None = None  # the registry's read the loads below follow
         self._gone: set[str] = set()  # engines that did not answer since that read
         self._sent: deque[tuple[float, str]] = deque()  # (when, engine) of the requests routed, oldest first
+        self._sent_to: Counter[str] = Counter()  # of those, how many each engine got (counted as they come and go)
         self.block_size = 16  # the live engines' KV block size (the smallest, should they differ)
 
     @op
@@ -263,9 +264,11 @@ class Router:
             return None
         now = time.monotonic()
         while self._sent and self._sent[0][0] < now - self.recent:
-            self._sent.popleft()
-        sent = Counter(name for _, name in self._sent)
-        load = {e.name: e.load + sent[e.name] for e in engines}
+            _, name = self._sent.popleft()
+            self._sent_to[name] -= 1
+            if not self._sent_to[name]:
+                del self._sent_to[name]
+        load = {e.name: e.load + self._sent_to[e.name] for e in engines}
         least = min(engines, key=lambda e: (load[e.name], random.random()))
         keys = route_keys(prompt_ids, self.block_size, model, scope) if len(engines) > 1 else []
         route = Route(least, "balance" if len(engines) > 1 else "only")
@@ -280,6 +283,7 @@ class Router:
                         route = Route(matched, "prefix", i + 1)
                     break
         self._sent.append((now, route.engine.name))
+        self._sent_to[route.engine.name] += 1
         return route
 
     @op
