@@ -191,7 +191,7 @@ class RequestStore:
         self.redis = client
         self.prefix = prefix
         self.finished_ttl = finished_ttl
-        self.fenced_step = StepScript(client)
+        self.step_script = StepScript(client)
 
     OPTIONS = {"socket_timeout": 5, "socket_connect_timeout": 5, "health_check_interval": 10}
 
@@ -502,7 +502,7 @@ class StepWriter:
         keys = [self.store.key(rid) for rid in ids] if owner else []
         if max(map(len, self.commands)) <= _SCRIPT_MAX_ARGS:
             commands = json.dumps(self.commands, ensure_ascii=False, separators=(",", ":"))
-            taken, results = self.store.fenced_step(owner, commands, json.dumps(keys, ensure_ascii=False))
+            taken, results = self.store.step_script(owner, commands, json.dumps(keys, ensure_ascii=False))
             if taken:
                 raise Fenced({ids[i - 1] for i in taken})
             return results
