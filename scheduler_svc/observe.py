@@ -97,6 +97,7 @@ class StepMetrics:
         self._last_answer = 0.0
         self._counted = Counters()
         self._prefix_counted = (0, 0)  # prefix cache (queries, hits) as last exported
+        self._gauges: tuple | None = None  # the gauges' values as last exported
 
     def sent(self, step: int) -> None:
         self._sent_at[step] = time.perf_counter()
@@ -129,24 +130,25 @@ class StepMetrics:
         self._sent_at.clear()
 
     def export(self, s: Snapshot) -> None:
-        """Counters as increments since the last export, and the gauges."""
+        """Counters as increments since the last export, and the gauges; only what changed (an export follows every
+        step, and most of its series stay as they were)."""
         m, c, done = self.metrics, s.counters, self._counted
-        m.steps.inc(c.steps - done.steps)
-        m.preemptions.inc(c.preemptions - done.preemptions)
-        m.aborts.inc(c.aborts - done.aborts)
-        m.spec_draft_tokens.inc(c.drafted - done.drafted)
-        m.spec_accepted_tokens.inc(c.accepted - done.accepted)
-        m.spec_verify_steps.inc(c.verifies - done.verifies)
+        for counter, now, before in ((m.steps, c.steps, done.steps), (m.preemptions, c.preemptions, done.preemptions),
+                                     (m.aborts, c.aborts, done.aborts), (m.spec_draft_tokens, c.drafted, done.drafted),
+                                     (m.spec_accepted_tokens, c.accepted, done.accepted),
+                                     (m.spec_verify_steps, c.verifies, done.verifies),
+                                     (m.prefix_cache_queries, s.prefix_queries, self._prefix_counted[0]),
+                                     (m.prefix_cache_hits, s.prefix_hits, self._prefix_counted[1])):
+            if now != before:
+                counter.inc(now - before)
         for reason, count in c.spec_skipped.items():
-            m.spec_skipped.labels(reason).inc(count - done.spec_skipped[reason])
+            if count != done.spec_skipped[reason]:
+                m.spec_skipped.labels(reason).inc(count - done.spec_skipped[reason])
         self._counted = c
-        m.prefix_cache_queries.inc(s.prefix_queries - self._prefix_counted[0])
-        m.prefix_cache_hits.inc(s.prefix_hits - self._prefix_counted[1])
         self._prefix_counted = (s.prefix_queries, s.prefix_hits)
-        m.requests_running.set(s.running)
-        m.requests_waiting.set(s.waiting)
-        m.kv_blocks_used.set(s.used_blocks)
-        m.kv_blocks_total.set(s.num_blocks)
-        m.kv_cache_usage_ratio.set(s.kv_usage)
-        m.prefix_cache_blocks.set(s.cached_blocks)
-        m.worker_up.set(1 if s.worker_up else 0)
+        gauges = (s.running, s.waiting, s.used_blocks, s.num_blocks, s.kv_usage, s.cached_blocks, int(s.worker_up))
+        if gauges != self._gauges:
+            self._gauges = gauges
+            for gauge, value in zip((m.requests_running, m.requests_waiting, m.kv_blocks_used, m.kv_blocks_total,
+                                     m.kv_cache_usage_ratio, m.prefix_cache_blocks, m.worker_up), gauges):
+                gauge.set(value)
