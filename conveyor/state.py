@@ -172,13 +172,20 @@ class StepScript:
         except NoScriptError:
             self.client.script_load(_FENCED_STEP)
         except REDIS_DOWN:
-            self._local.conn.disconnect()
+            self._connection().disconnect()
         return self._call(args)
 
-    def _call(self, args: tuple[str, ...]) -> list:
+    def _connection(self):
+        """This thread's connection, with the client's settings, outside its pool; it connects when first used (so
+        a Redis out of reach raises in the call, as any other)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = self.client.connection_pool.get_connection()  # never given back: this thread's
+            pool = self.client.connection_pool
+            conn = self._local.conn = pool.connection_class(**pool.connection_kwargs)
+        return conn
+
+    def _call(self, args: tuple[str, ...]) -> list:
+        conn = self._connection()
         conn.send_packed_command(conn.pack_command("EVALSHA", self.sha, 0, *args))
         return conn.read_response()
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import time
 import uuid
 
+import pytest
+from helpers import free_port
+
 from conveyor.params import RequestParams
-from conveyor.state import RequestRecord, RequestStore
+from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore
 
 
 def _store(redis_server) -> RequestStore:
@@ -81,6 +87,32 @@ def test_a_step_too_long_for_the_script_appends_and_checks_the_same(redis_server
     assert store.get(long.request_id).output_ids == list(range(5000))
     back = store.get(kept.request_id)
     assert (back.output_ids, back.num_output, back.status) == ([4, 5, 6], 3, "running")
+
+
+def test_a_step_write_while_redis_is_out_of_reach_raises_its_outage_then_lands_once_it_is_back(tmp_path):
+    """The step script's own connection: a Redis out of reach at the very first write raises the outage the
+    Persister waits out (not any other error), and the same store writes once Redis is up."""
+    port = free_port()
+    store = RequestStore.from_url(f"redis://127.0.0.1:{port}/0")
+    writer = store.writer()
+    writer.tokens("r1", [7], 1, None)
+    with pytest.raises(REDIS_DOWN):
+        writer.execute(owner="engine-a")
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                             str(tmp_path), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                store.redis.ping()
+                break
+            except REDIS_DOWN:
+                time.sleep(0.05)
+        assert store.create(RequestRecord("r1", [1, 2], RequestParams()))
+        assert writer.execute(owner="engine-a") == set()
+        assert store.get("r1").output_ids == [7]
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def test_claiming_an_expired_record_does_not_bring_back_a_hash_without_a_ttl(redis_server):
