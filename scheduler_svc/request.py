@@ -18,7 +18,7 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """One request as its scheduler holds it. Equal only to itself: with the fields compared, finding one in the
-    running list (to drop it when it ends) compared every field of the requests before it, ~0.6 ms a finish at 128
+    running list (to drop it when it ends) compared every field of the requests before it, ~0.1 ms a finish at 128
     running."""
 
     request_id: str

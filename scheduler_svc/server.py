@@ -102,7 +102,7 @@ def sampled_from_pb(plan: StepPlan, reply: worker_pb2.StepResponse) -> Answer:
         if t.error:
             answer.failed[seq_id] = t.error
             continue
-        sampled[seq_id] = (t.token_id, None) if seq_id not in wants else token(t, seq_id)
+        sampled[seq_id] = token(t, seq_id)
         if t.accepted:
             answer.accepted[seq_id] = [token(a, seq_id) for a in t.accepted]
         if t.drafted:
