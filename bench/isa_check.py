@@ -34,8 +34,8 @@ from worker_svc import cpu_kernels  # noqa: E402
 
 HERE = ROOT / "bench" / "isa_check"
 KERNELS = ROOT / "worker_svc" / "cpu_kernels"
-EXPORTED = ["tile_gemm", "tile_repack", "tile_dequant_rows", "tile_isa", "tile_int8_max_rows", "tile_supported",
-            "tile_work_bytes", "tile_amx_ready"]
+EXPORTED = ["tile_gemm", "tile_gemm_swiglu", "tile_repack", "tile_dequant_rows", "tile_isa", "tile_int8_max_rows",
+            "tile_supported", "tile_work_bytes", "tile_amx_ready", "tile_bf16_configure"]
 PACKAGES = ["bochs", "bochsbios", "vgabios", "bochs-term", "isolinux", "syslinux-common", "xorriso"]
 FLAGS = ["-O2", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=gnu11"]
 BARE = ["-ffreestanding", "-fno-pic", "-fno-pie", "-mno-red-zone", "-fno-stack-protector",

@@ -185,27 +185,27 @@ _AVX512 = [name for name in ("avx512", "avx512bf16", "amx") if name in cpu_kerne
 @pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX512 (the fused SwiGLU's tiles)")
 @pytest.mark.parametrize("qtype", [Q.BF16, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 def test_the_fused_swiglu_gives_the_bits_of_the_product_then_silu_mul(qtype):
-    """Where bf16 dots multiply a fused gate/up weight (bf16 weights; quantized ones under the bf16 numerics from
-    16 rows, where the CPU has bf16 dots), an item multiplies a gate group with its up group and writes
-    silu(gate) * up itself: the bits of the (M, 2I) product followed by silu_mul. AMX's tiles do it at every row
-    count, AVX512's strips from 16 rows; elsewhere it declines (None)."""
+    """An item multiplies a gate group of a fused gate/up weight with its up group and writes silu(gate) * up
+    itself: the bits of the (M, 2I) product followed by silu_mul. AMX's bf16 tiles do it at every row count
+    (bf16 weights; quantized ones under the bf16 numerics, where the CPU has bf16 dots); AVX512's strips from 16
+    rows, with bf16 dots and with integer ones (quantized weights under fast and int8), but not where AMX's
+    integer tiles take the rows; elsewhere it declines (None)."""
     intermediate, k = 48, 320
-    passes = 1 if qtype == Q.BF16 else 2 | WIDE
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(13)) * 2
     for name in _AVX512:
         cpu_kernels.use_isa(name)
         try:
             qweight, _ = _quantized(qtype, 2 * intermediate, k, seed=13, tiles=True)
             bf16_dots = name != "avx512"  # quantized weights are widened only where the CPU has bf16 dots
-            for m in (1, 15, 16, 17, 33, 40):
-                fused = cpu_kernels.swiglu_gemm(x[:m], qweight, int(qtype), intermediate, passes)
-                applies = (qtype == Q.BF16 or bf16_dots) and (name == "amx" or m >= 16)
-                assert (fused is not None) == applies, (name, m)
-                if fused is not None:
-                    product = cpu_kernels.qgemm(x[:m], qweight, int(qtype), 2 * intermediate, passes)
-                    assert torch.equal(fused, cpu_kernels.silu_mul(product)), (name, m)
-            if qtype != Q.BF16:  # under fast, quantized weights take integer dots: never fused
-                assert cpu_kernels.swiglu_gemm(x, qweight, int(qtype), intermediate, 2) is None, name
+            for passes in ([1] if qtype == Q.BF16 else [2 | WIDE, 2, 1]):
+                widened = qtype == Q.BF16 or (passes & WIDE and bf16_dots)
+                for m in (1, 15, 16, 17, 33, 40):
+                    fused = cpu_kernels.swiglu_gemm(x[:m], qweight, int(qtype), intermediate, passes)
+                    applies = name == "amx" or m >= 16 if widened else name != "amx" and m >= 16
+                    assert (fused is not None) == applies, (name, passes, m)
+                    if fused is not None:
+                        product = cpu_kernels.qgemm(x[:m], qweight, int(qtype), 2 * intermediate, passes)
+                        assert torch.equal(fused, cpu_kernels.silu_mul(product)), (name, passes, m)
         finally:
             cpu_kernels.use_isa("auto")
 

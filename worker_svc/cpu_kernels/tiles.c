@@ -854,11 +854,13 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
 #endif
 #if ISA_AMX
     const int amx_bf16 = (wide || type == TYPE_BF16) && tile_amx_ready();
+    const int amx_int8 = !wide && type != TYPE_BF16 && M >= AMX_ROWS && tile_amx_ready();  // its whole row tiles
 #else
-    const int amx_bf16 = 0;
+    const int amx_bf16 = 0, amx_int8 = 0;
 #endif
-    // the strip path fuses it where its items are groups (AVX512) multiplied with bf16 dots, from SWIGLU_ROWS rows
-    const int fused = swiglu && !amx_bf16 && ISA_VNNI && (type == TYPE_BF16 || wide) && M >= SWIGLU_ROWS;
+    // the strip path fuses it where its items are groups (AVX512, whose int8 strips have VNNI) multiplied with bf16
+    // or integer dots, from SWIGLU_ROWS rows
+    const int fused = swiglu && !amx_bf16 && !amx_int8 && ISA_VNNI && M >= SWIGLU_ROWS;
     if (swiglu && (!(amx_bf16 || fused) || swiglu % TILE != 0 || N != 2 * swiglu)) return 1;
     passes &= ~TILE_WIDE;
     if (!tile_supported(type) || K % QK != 0 || K <= 0 || M < 1 || N < 1 || passes < 1 || passes > 2) return -1;
@@ -897,7 +899,7 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
     }
     int64_t first = 0;  // rows before this one are done (by AMX)
 #if ISA_AMX
-    if (!dense && !wide && M >= AMX_ROWS && tile_amx_ready()) {
+    if (amx_int8) {
         first = M / AMX_ROWS * AMX_ROWS;
         amx_gemm(type, passes, xq, xd, xsum, first, K, w, N, y, (uint8_t *)expanded, thread_bytes(K));
         if (first == M) {
@@ -949,7 +951,9 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
             const int64_t g = pair_group(item, swiglu);
             for (count = 0; count < 2; count++) {
                 n0[count] = (count ? second_group(g, swiglu) : g) * TILE;
-                qs[count] = w + n0[count] * row_bytes;
+                qs[count] = w + n0[count] * row_bytes;  // a group is a strip (W = TILE)
+                ds[count] = dense || wide ? NULL : qs[count] + nb * tile_quant_bytes(type);  // strip_q's scales
+                ms[count] = ds[count] && type == TYPE_Q4_1 ? ds[count] + nb * TILE * 2 : NULL;
             }
         }
         if (count == 0) continue;
@@ -1074,7 +1078,8 @@ int tile_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
 
 // The SwiGLU of a fused gate/up projection, W = [gate; up] (2I rows in tiles): act (M, I) = silu(x gate^T) *
 // (x up^T), silu_mul's bits. Where the product takes AMX's bf16 tiles (bf16 weights; quantized ones under
-// TILE_WIDE from 16 rows) an item multiplies a gate group and its up group and writes only act: half the bytes
+// TILE_WIDE from 16 rows), or AVX512's strips from SWIGLU_ROWS rows (bf16 or integer dots; not the rows AMX's
+// integer tiles take), an item multiplies a gate group and its up group and writes only act: half the bytes
 // of the (M, 2I) product, and no pass over them (at 512 rows writing y was a third of the product's time).
 // Returns 1 where it does not apply (the caller multiplies with tile_gemm, then silu_mul), else tile_gemm's.
 int tile_gemm_swiglu(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t I, float *act,
