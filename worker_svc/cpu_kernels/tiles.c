@@ -48,6 +48,16 @@ static inline int64_t pass_rows(int64_t M) { return ISA_AMX ? (M + 15) / 16 * 16
 
 static inline int64_t tile_quant_bytes(int type) { return (int64_t)TILE * quant_bytes(type); }  // per block
 
+// Strip h (W rows) of a group of TILE rows of quantized weights over nb blocks: its quants at *q, its fp16 scales
+// at *d and (Q4_1) its fp16 mins at *m (NULL for the other types). A group holds all its quants, then its scales,
+// then its mins.
+static inline void strip_parts(int type, const uint8_t *group, int64_t nb, int64_t h, const uint8_t **q,
+                               const uint8_t **d, const uint8_t **m) {
+    *q = group + h * W * 4;
+    *d = group + nb * tile_quant_bytes(type) + h * W * 2;
+    *m = type == TYPE_Q4_1 ? *d + nb * TILE * 2 : NULL;
+}
+
 // ---------------------------------------------------------------- quantized weights
 
 // The running int32 sums of one (row of x, strip) over a block: with VNNI one per pass of x (combined at the
@@ -509,9 +519,8 @@ static void amx_gemm(int type, int passes, const int8_t *xq, const float *xd, co
         int32_t *c = (int32_t *)(buf + nb * AMX_B_BYTES);
 #pragma omp for schedule(guided)
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *group = w + g * TILE * row_bytes;
-            const uint8_t *ds = group + nb * tile_quant_bytes(type);
-            const uint8_t *ms = type == TYPE_Q4_1 ? ds + nb * TILE * 2 : NULL;
+            const uint8_t *group = w + g * TILE * row_bytes, *qs, *ds, *ms;
+            strip_parts(type, group, nb, 0, &qs, &ds, &ms);
             const uint8_t *bw = amx_weights(type, group, nb, buf);
             const int64_t valid = N - g * TILE < TILE ? N - g * TILE : TILE;
             for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS)
@@ -940,20 +949,15 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
         for (int64_t s = item * ns; s < item * ns + ns && s < strips && !fused; s++) {
             const int64_t g = s / STRIPS, h = s % STRIPS;
             if (g * TILE + h * W >= N) break;
-            const uint8_t *group = w + g * TILE * row_bytes;
             n0[count] = g * TILE + h * W;
-            qs[count] = group + h * W * 4;
-            ds[count] = group + nb * tile_quant_bytes(type) + h * W * 2;
-            ms[count] = type == TYPE_Q4_1 ? ds[count] + nb * TILE * 2 : NULL;
+            strip_parts(type, w + g * TILE * row_bytes, nb, h, &qs[count], &ds[count], &ms[count]);
             count++;
         }
         if (fused) {
             const int64_t g = pair_group(item, swiglu);
             for (count = 0; count < 2; count++) {
                 n0[count] = (count ? second_group(g, swiglu) : g) * TILE;
-                qs[count] = w + n0[count] * row_bytes;  // a group is a strip (W = TILE)
-                ds[count] = dense || wide ? NULL : qs[count] + nb * tile_quant_bytes(type);  // strip_q's scales
-                ms[count] = ds[count] && type == TYPE_Q4_1 ? ds[count] + nb * TILE * 2 : NULL;
+                strip_parts(type, w + n0[count] * row_bytes, nb, 0, &qs[count], &ds[count], &ms[count]);  // W = TILE
             }
         }
         if (count == 0) continue;
