@@ -61,7 +61,7 @@ static inline void strip_parts(int type, const uint8_t *group, int64_t nb, int64
 // ---------------------------------------------------------------- quantized weights
 
 // The running int32 sums of one (row of x, strip) over a block: with VNNI one per pass of x (combined at the
-// end); on AVX2 one, each pass's pair sums weighted by its ratio in madd (the value is the same).
+// end); on AVX2 one (two passes go as one 16-bit x: x16_rows).
 typedef struct {
     vi a, b;
 } Sum;
@@ -71,13 +71,8 @@ static inline __attribute__((always_inline)) void sum_add(Sum *s, vi u, vi x0, v
     s->a = dot_u8s8(s->a, u, x0);
     if (passes == 2) s->b = dot_u8s8(s->b, u, x1);
 #else
-    if (passes == 1) {
-        s->a = dot_u8s8(s->a, u, x0);
-        return;
-    }
-    const vi first = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x0), vi_set1_16(RATIO));
-    const vi second = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x1), vi_set1_16(1));
-    s->a = vi_add32(s->a, vi_add32(first, second));
+    (void)x1, (void)passes;  // two passes take strip_q's 16-bit path (x16_rows)
+    s->a = dot_u8s8(s->a, u, x0);
 #endif
 }
 
@@ -129,6 +124,49 @@ static inline int weight_offset(int type) {
     if (type == TYPE_Q4_0) return 8;
     return type == TYPE_Q8_0 && ISA_VNNI ? 128 : 0;
 }
+
+#if !ISA_VNNI
+// Two passes on AVX2, which has no vpdpbusd: each pass's bytes cost two multiplies per 32 products (maddubs, then
+// madd), so x's passes go as one 16-bit value, RATIO q0 + q1 (|.| <= 32,385: exact), against the weights widened to
+// 16 bits, two products a madd: half the multiplies, and the same int32 sums (so the same bits as the two passes).
+// x16_rows writes each row's values in place of its passes, a k-group's 4 inputs in the order 0, 2, 1, 3: the
+// pairs a lane's weights form without crossing bytes (weights_i16).
+static void x16_rows(int8_t *xq, int64_t M, int64_t K, uint8_t *scratch, int64_t scratch_bytes) {
+    const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *row = xq + m * 2 * K, *q = (int8_t *)scratch + omp_get_thread_num() * scratch_bytes;
+        memcpy(q, row, 2 * K);  // the passes, read while the values are written over them
+        int16_t *out = (int16_t *)row;
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m256i q0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + k)));
+            const __m256i q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + K + k)));
+            const __m256i v = _mm256_add_epi16(_mm256_mullo_epi16(q0, _mm256_set1_epi16(RATIO)), q1);
+            _mm256_storeu_si256((__m256i *)(out + k), _mm256_shuffle_epi8(v, order));
+        }
+    }
+}
+
+// k-group j's weights of one strip (lane n: its row's inputs 4j..4j+3) as 16-bit pairs: *a inputs 0 and 2, *b 1
+// and 3 (x16_rows's order). Q4 nibbles as they are (0..15), Q8_0 sign-extended.
+static inline __attribute__((always_inline)) void weights_i16(int type, const uint8_t *q, int j, vi *a, vi *b) {
+    if (type == TYPE_Q8_0) {
+        const vi w = vi_load(q + 64 * j);
+        *a = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8);
+        *b = _mm256_srai_epi16(w, 8);
+        return;
+    }
+    const vi packed = vi_load(q + 64 * (j & 3)), low = vi_set1_16(0x000F);
+    if (j < 4) {
+        *a = vi_and(packed, low);
+        *b = vi_and(vi_srli16(packed, 8), low);
+    } else {
+        *a = vi_and(vi_srli16(packed, 4), low);
+        *b = vi_srli16(packed, 12);
+    }
+}
+#endif
 
 // A Q4_1 block term (block_terms) as the float it holds.
 static inline float term_f32(const int32_t *p) {
@@ -186,6 +224,18 @@ static inline __attribute__((always_inline)) void strip_q(int type, int mr, int 
         for (int s = 0; s < ns; s++)
             for (int i = 0; i < mr; i++) sum[s][i].a = sum[s][i].b = vi_zero();
         for (int j = 0; j < 8; j++) {
+#if !ISA_VNNI
+            if (passes == 2) {  // x16_rows's values; one strip an item on AVX2
+                vi wa, wb;
+                weights_i16(type, qs[0] + b * qstride, j, &wa, &wb);
+                for (int i = 0; i < mr; i++) {
+                    const int16_t *x = (const int16_t *)(xq + i * 2 * K) + b * QK + 4 * j;
+                    sum[0][i].a = vi_add32(sum[0][i].a, vi_add32(_mm256_madd_epi16(wa, vi_bcast32(x)),
+                                                                 _mm256_madd_epi16(wb, vi_bcast32(x + 2))));
+                }
+                continue;
+            }
+#endif
             vi signs[2] = {vi_zero(), vi_zero()}, u[2];
             for (int s = 0; s < ns; s++) u[s] = weights_u8(type, qs[s] + b * qstride, j, &signs[s]);
             for (int i = 0; i < mr; i++) {
@@ -819,9 +869,12 @@ static void amx_wide_gemm(int type, uint16_t *xb, int64_t M, int64_t K, const ui
 int tile_supported(int type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_BF16; }
 
 // Most rows of x a quantized weight multiplies with integer dots in ``passes`` passes; more take the fp32 product.
-// With VNNI, never. On AVX2 two passes cost four multiplies per 32 products, and from 4 rows FMAs were faster
-// (a Zen 1); one pass costs two, and beat the fp32 product at every row count (1.3-2.2x, the AVX2 build on a Zen 5).
-int tile_int8_max_rows(int passes) { return ISA_VNNI || passes == 1 ? 1 << 30 : 3; }
+// With VNNI, never. On AVX2 one pass costs two multiplies per 32 products, and beat the fp32 product at every row
+// count (1.3-2.2x, the AVX2 build on a Zen 5); two passes, as one 16-bit x (x16_rows), cost two too, and on a Zen 3
+// beat it up to 32 rows (a gate/up product of the default model: 8 rows 1.2-1.7x, a decode of 8 in the model 1.5x),
+// while from 128 the fp32 product, whose weights are expanded once per item for all the rows, was 1.1-1.2x faster.
+// (When two passes cost four, the fp32 product was faster from 4 rows, on a Zen 1.)
+int tile_int8_max_rows(int passes) { return ISA_VNNI || passes == 1 ? 1 << 30 : 32; }
 
 // What the kernels were compiled for: 2 AVX2, 512 AVX512-VNNI (bf16 dots emulated), 513 with AVX512-BF16, 514
 // with AMX too (used once tile_amx_ready() said yes).
@@ -905,6 +958,9 @@ static int tile_product(int type, const float *x, int64_t M, int64_t K, const ui
     } else if (dots) {
         quantize_rows(x, M, K, passes, xq, xd, xsum);
         block_terms(type, xd, xsum, M * nb);  // xsum now holds the terms the scaling adds
+#if !ISA_VNNI
+        if (passes == 2) x16_rows(xq, M, K, (uint8_t *)expanded, thread_bytes(K));  // 2 K bytes a thread
+#endif
     }
     int64_t first = 0;  // rows before this one are done (by AMX)
 #if ISA_AMX
