@@ -870,11 +870,12 @@ int tile_supported(int type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || 
 
 // Most rows of x a quantized weight multiplies with integer dots in ``passes`` passes; more take the fp32 product.
 // With VNNI, never. On AVX2 one pass costs two multiplies per 32 products, and beat the fp32 product at every row
-// count (1.3-2.2x, the AVX2 build on a Zen 5); two passes, as one 16-bit x (x16_rows), cost two too, and on a Zen 3
-// beat it up to 32 rows (a gate/up product of the default model: 8 rows 1.2-1.7x, a decode of 8 in the model 1.5x),
-// while from 128 the fp32 product, whose weights are expanded once per item for all the rows, was 1.1-1.2x faster.
-// (When two passes cost four, the fp32 product was faster from 4 rows, on a Zen 1.)
-int tile_int8_max_rows(int passes) { return ISA_VNNI || passes == 1 ? 1 << 30 : 32; }
+// count (1.3-2.2x, the AVX2 build on a Zen 5); two passes, as one 16-bit x (x16_rows), cost two too. On a Zen 3
+// they beat it at 4-8 rows (the default model's gate/up product: 8 rows 1.2-1.7x; a decode of 8 in the model 1.5x),
+// were even with it at 16-32 (alternating runs went either way) and lost from 128 (0.8-0.9x), where the fp32
+// product's weights, expanded once per item for all the rows, cost least. (When two passes cost four multiplies,
+// the fp32 product was faster from 4 rows, on a Zen 1.)
+int tile_int8_max_rows(int passes) { return ISA_VNNI || passes == 1 ? 1 << 30 : 16; }
 
 // What the kernels were compiled for: 2 AVX2, 512 AVX512-VNNI (bf16 dots emulated), 513 with AVX512-BF16, 514
 // with AMX too (used once tile_amx_ready() said yes).
