@@ -61,17 +61,6 @@ static inline __attribute__((always_inline)) __m256 kv_row8(const void *row, int
     return _mm256_mul_ps(v, _mm256_broadcast_ss((const float *)((const char *)row + D) + d / I8_BLOCK));
 }
 
-static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, int kv) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_row8(b, d, D, kv), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), kv_row8(b, d + 8, D, kv), acc1);
-    }
-    for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), kv_row8(b, d, D, kv), acc0);
-    return hsum8(_mm256_add_ps(acc0, acc1));
-}
-
 // s[0..n) -> exp(s - max) in place; returns the max, and the sum of the exps in *sum.
 static float exp_shifted(float *s, int64_t n, float *sum) {
     // the max 32 at a time in four vectors (one scalar chain of compares was a fifth of a decode's attention; the
@@ -111,40 +100,102 @@ static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_s
     return (int64_t)table[key / block_size] * block_size + key % block_size;
 }
 
+// Heads of a group whose scores (and outputs) one pass over a key's (value's) row computes in ``attend``: the
+// row is loaded and widened once for them, not once per head (a third of the loads and conversions at G = 3).
+enum { ROW_HEADS = 4, OUT_HEADS = 3, OUT_VECS = 4 };
+
+// gh heads (a constant, at most ROW_HEADS) of the group against keys [j0, j1): s[g * n + j - j0] = q_g . k_j * scale.
+// A score's D products go into two vectors of partial sums (even and odd 8-value steps), added, then summed across
+// lanes: the same operations whichever heads share the row.
+static inline __attribute__((always_inline)) void score_rows8(int gh, const float *q, const void *k_cache,
+                                                               const int32_t *table, int64_t j0, int64_t j1,
+                                                               int64_t block_size, int64_t row, int64_t D, float scale,
+                                                               float *s, int64_t n, int kv) {
+    for (int64_t j = j0; j < j1;) {  // block by block through the table
+        const int64_t blk = j / block_size, o0 = j % block_size;
+        const void *kb = kv_at(k_cache, (int64_t)table[blk] * block_size * row, kv);
+        const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
+        for (int64_t o = o0; j < stop; o++, j++) {
+            const void *key = kv_at(kb, o * row, kv);
+            __m256 a0[ROW_HEADS], a1[ROW_HEADS];
+            for (int g = 0; g < gh; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16) {
+                const __m256 k0 = kv_row8(key, d, D, kv), k1 = kv_row8(key, d + 8, D, kv);
+                for (int g = 0; g < gh; g++) {
+                    a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k0, a0[g]);
+                    a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d + 8), k1, a1[g]);
+                }
+            }
+            for (; d < D; d += 8) {
+                const __m256 k0 = kv_row8(key, d, D, kv);
+                for (int g = 0; g < gh; g++) a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k0, a0[g]);
+            }
+            for (int g = 0; g < gh; g++) s[g * n + j - j0] = hsum8(_mm256_add_ps(a0[g], a1[g])) * scale;
+        }
+    }
+}
+
+// gh heads (a constant, at most OUT_HEADS) of the group: out_g = sum_j p_gj v_j over keys [j0, j1), p_g = p + g * n,
+// OUT_VECS vectors of D at a time (their sums in registers), key by key.
+static inline __attribute__((always_inline)) void weigh_values8(int gh, const void *v_cache, const int32_t *table,
+                                                                 int64_t j0, int64_t j1, int64_t block_size,
+                                                                 int64_t row, int64_t D, const float *p, int64_t n,
+                                                                 float *out, int kv) {
+    for (int64_t d0 = 0; d0 < D; d0 += 8 * OUT_VECS) {
+        const int64_t nv = (D - d0) / 8 < OUT_VECS ? (D - d0) / 8 : OUT_VECS;
+        __m256 acc[OUT_HEADS][OUT_VECS];
+        for (int g = 0; g < gh; g++)
+            for (int64_t v = 0; v < nv; v++) acc[g][v] = _mm256_setzero_ps();
+        for (int64_t j = j0; j < j1;) {
+            const int64_t blk = j / block_size, o0 = j % block_size;
+            const void *vb = kv_at(v_cache, (int64_t)table[blk] * block_size * row, kv);
+            const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
+            for (int64_t o = o0; j < stop; o++, j++) {
+                const void *value = kv_at(vb, o * row, kv);
+                __m256 pj[OUT_HEADS];
+                for (int g = 0; g < gh; g++) pj[g] = _mm256_set1_ps(p[g * n + j - j0]);
+                for (int64_t v = 0; v < nv; v++) {
+                    const __m256 vv = kv_row8(value, d0 + 8 * v, D, kv);
+                    for (int g = 0; g < gh; g++) acc[g][v] = _mm256_fmadd_ps(pj[g], vv, acc[g][v]);
+                }
+            }
+        }
+        for (int g = 0; g < gh; g++)
+            for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(out + g * D + d0 + 8 * v, acc[g][v]);
+    }
+}
+
 // One (token, kv head) item over keys [j0, j1): G query heads against those keys of one sequence.
-// out_g = sum_j exp(s_gj - mx_g) v_j, not yet divided by sum_g (the caller merges or normalizes).
+// out_g = sum_j exp(s_gj - mx_g) v_j, not yet divided by sum_g (the caller merges or normalizes). A score's and an
+// output's bits do not depend on how many heads share a row.
 static inline __attribute__((always_inline)) void attend(const float *qt, const void *k_cache,
                                                           const void *v_cache, const int32_t *table,
                                                           int64_t j0, int64_t j1, int64_t block_size, int64_t row,
                                                           int64_t G, int64_t D, float scale, float *scores,
                                                           float *out, float *mx, float *sum, int kv) {
     const int64_t n = j1 - j0;
-    // scores[g * n + j - j0] = q_g . k_j * scale, walking the block table block by block
-    for (int64_t j = j0; j < j1;) {
-        const int64_t blk = j / block_size, o0 = j % block_size;
-        const void *kb = kv_at(k_cache, (int64_t)table[blk] * block_size * row, kv);
-        const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
-        for (int64_t o = o0; j < stop; o++, j++)
-            for (int64_t g = 0; g < G; g++)
-                scores[g * n + j - j0] = dot(qt + g * D, kv_at(kb, o * row, kv), D, kv) * scale;
+    for (int64_t g0 = 0; g0 < G; g0 += ROW_HEADS) {
+        const int64_t gh = G - g0 < ROW_HEADS ? G - g0 : ROW_HEADS;
+#define SCORE(GH) score_rows8(GH, qt + g0 * D, k_cache, table, j0, j1, block_size, row, D, scale, scores + g0 * n, n, kv)
+        switch (gh) {  // a constant count of heads, so their partial sums stay in registers
+            case 1: SCORE(1); break;
+            case 2: SCORE(2); break;
+            case 3: SCORE(3); break;
+            default: SCORE(4); break;
+        }
+#undef SCORE
     }
     for (int64_t g = 0; g < G; g++) mx[g] = exp_shifted(scores + g * n, n, sum + g);
-    // out_g accumulated in registers (D / 8 vectors) one head at a time
-    for (int64_t g = 0; g < G; g++) {
-        __m256 acc[MAX_D / 8];
-        for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_setzero_ps();
-        const float *p = scores + g * n;
-        for (int64_t j = j0; j < j1;) {
-            const int64_t blk = j / block_size, o0 = j % block_size;
-            const void *vb = kv_at(v_cache, (int64_t)table[blk] * block_size * row, kv);
-            const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
-            for (int64_t o = o0; j < stop; o++, j++) {
-                const __m256 pj = _mm256_set1_ps(p[j - j0]);
-                for (int64_t d = 0; d < D / 8; d++)
-                    acc[d] = _mm256_fmadd_ps(pj, kv_row8(kv_at(vb, o * row, kv), 8 * d, D, kv), acc[d]);
-            }
+    for (int64_t g0 = 0; g0 < G; g0 += OUT_HEADS) {
+        const int64_t gh = G - g0 < OUT_HEADS ? G - g0 : OUT_HEADS;
+#define WEIGH(GH) weigh_values8(GH, v_cache, table, j0, j1, block_size, row, D, scores + g0 * n, n, out + g0 * D, kv)
+        switch (gh) {
+            case 1: WEIGH(1); break;
+            case 2: WEIGH(2); break;
+            default: WEIGH(3); break;
         }
-        for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(out + g * D + 8 * d, acc[d]);
+#undef WEIGH
     }
 }
 
