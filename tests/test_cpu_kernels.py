@@ -388,3 +388,30 @@ def test_add_rms_norm_and_silu_mul_match_pytorch():
     gate_up = torch.randn(5, 2 * 77, generator=g) * 30  # large values exercise exp's clamping
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 49_152, 100_003])
+def test_argmax_picks_what_torch_max_picks_ties_nans_and_infinities_included(n):
+    """Greedy sampling's pick on every instruction set: each row's first largest value, a NaN counting as the largest
+    (its first one), a row of -inf giving 0, -0.0 equal to 0.0; rows at the vector width's tails, and enough rows
+    that the threads share them."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g)
+    x[1] = torch.round(x[1] * 2) / 2  # many ties
+    x[1, -1] = x[1].max() if n > 1 else x[1, -1]  # a tie at the last lane too
+    x[2] = float("-inf")
+    x[3] = 0.0
+    x[3, n // 2] = -0.0
+    x[4, n // 3] = float("nan")
+    x[4, n - 1] = float("nan")
+    x[5, n - 1] = float("inf")
+    x[6, 0] = 1e30
+    expected = x.max(dim=-1).indices
+    assert expected[4] == n // 3  # torch's own rule for NaN, which the kernel follows
+    for name in cpu_kernels.supported_isas():
+        cpu_kernels.use_isa(name)
+        try:
+            assert torch.equal(cpu_kernels.argmax(x), expected), name
+            assert torch.equal(cpu_kernels.argmax(x[:1]), expected[:1]), name  # one row: no threads
+        finally:
+            cpu_kernels.use_isa("auto")

@@ -135,14 +135,19 @@ class Native(Backend):
         self.stack = self._build_stack()
 
     def prepare(self, batch: StepBatch) -> NativeStep:
+        """Each tensor made once from Python lists: a lone decode's step is ~4 ms here, and building the per-token
+        lists with PyTorch ops (repeat_interleave, a compare, casts) cost ~0.15 ms of it."""
         width = max(len(t) for t in batch.tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.tables], dtype=torch.int32)
-        lengths = torch.tensor(batch.lengths)
-        seq = torch.repeat_interleave(torch.arange(len(batch.lengths), dtype=torch.int32), lengths)
-        pos = torch.tensor(batch.positions, dtype=torch.int32)
-        prompt = pos < torch.repeat_interleave(torch.tensor(batch.prompt_ends, dtype=torch.int32), lengths)
-        return NativeStep(torch.tensor(batch.token_ids), torch.tensor(batch.slots), tables, seq, pos,
-                          prompt.to(torch.uint8))
+        seq: list[int] = []
+        prompt: list[int] = []
+        for i, (start, n, end) in enumerate(zip(batch.starts, batch.lengths, batch.prompt_ends)):
+            seq += [i] * n
+            k = min(max(end - start, 0), n)  # the chunk's first k tokens are of its prompt
+            prompt += [1] * k + [0] * (n - k)
+        return NativeStep(torch.tensor(batch.token_ids), torch.tensor(batch.slots),
+                          torch.tensor([t + [0] * (width - len(t)) for t in batch.tables], dtype=torch.int32),
+                          torch.tensor(seq, dtype=torch.int32), torch.tensor(batch.positions, dtype=torch.int32),
+                          torch.tensor(prompt, dtype=torch.uint8))
 
     def forward(self, step: NativeStep) -> torch.Tensor:
         x = self.model.embed_tokens(step.input_ids).contiguous()

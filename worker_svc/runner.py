@@ -344,7 +344,9 @@ class ModelRunner:
                     rows.append(last - len(guess) + r)
                     sample_rows.append(SampleRow(s.params, prompt, s.tokens[s.num_prompt_tokens : computed + r], s.stop,
                                                  bitmasks[i][r] if i in bitmasks else None))
-            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+            # a step of decodes alone samples every row in order: no gather
+            picked = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=self.device)]
+            logits = self.model.logits(picked)
             drawn = sample(logits, sample_rows, self.generator)
             for i, error in errors.items():
                 drawn[spans[i][0]].error = error

