@@ -72,9 +72,7 @@ static float exp_shifted(float *s, int64_t n, float *sum) {
         for (int i = 0; i < 4; i++) m4[i] = _mm256_max_ps(m4[i], _mm256_loadu_ps(s + k + 8 * i));
     for (; k + 8 <= n; k += 8) m4[0] = _mm256_max_ps(m4[0], _mm256_loadu_ps(s + k));
     const __m256 m8 = _mm256_max_ps(_mm256_max_ps(m4[0], m4[1]), _mm256_max_ps(m4[2], m4[3]));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    float mx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    float mx = hmax8(m8);
     for (; k < n; k++) mx = s[k] > mx ? s[k] : mx;
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();

@@ -59,11 +59,8 @@ void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
             top = _mm256_max_ps(top, v);
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         }
-        float best = -INFINITY;
+        float best = hmax8(top);  // a NaN is handled apart: these lanes' max is what counts without one
         int any_nan = _mm256_movemask_ps(nan) != 0;
-        float lanes[8];
-        _mm256_storeu_ps(lanes, top);
-        for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
         for (int64_t j = i; j < n; j++) {
             if (xr[j] != xr[j]) any_nan = 1;
             best = xr[j] > best ? xr[j] : best;

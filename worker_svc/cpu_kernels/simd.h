@@ -38,6 +38,13 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// The largest of 8 floats (their order of compares fixed, so a NaN lane gives what it always gave).
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // 8 floats -> bf16, rounded to nearest even (a NaN stays a NaN, made quiet), each in the high half of its 32-bit
 // lane (the low half zero: the bf16 value as fp32).
 static inline __m256i to_bf16_8(__m256 v) {

@@ -41,10 +41,7 @@ static inline int32_t quantize_block(const float *x, int8_t *xq, float *scale) {
         v[i] = _mm256_loadu_ps(x + 8 * i);
         amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
     }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const float d = hmax8(amax) / 127.0f;
     const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
     __m256i q[4];
     for (int i = 0; i < 4; i++) q[i] = round_to_int(_mm256_mul_ps(v[i], id));
