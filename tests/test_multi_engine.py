@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import scheduler_stats, start_stack, wait_child
+from helpers import scheduler_stats, scrape, start_stack, value, wait_child
 from test_faults import _counter, check, run_load
 
 from conveyor.client import Client
@@ -25,8 +25,23 @@ TTL = 1.5  # --engine-ttl: a dead engine's requests move after this
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     s = start_stack(tmp_path_factory.mktemp("engines"), engines=2, engine_ttl=TTL, kv_cache_bytes=128 << 20)
+    _frontend_sees_both_engines(s)
     yield s
     s.stop()
+
+
+def _frontend_sees_both_engines(stack, timeout: float = 10.0) -> None:
+    """Wait until the frontend has read both engines from the registry. Its router reuses a read for 0.25 s, and the
+    frontend's first read (at its start) may predate engine 1's registration: a burst sent at once would then all go
+    to engine 0 (seen once in CI as the undisturbed run's ``[32, 0]``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(stack.child("frontend").metrics)
+        up = [value(samples, "conveyor_engine_up", engine=f"engine-{i}") for i in (0, 1)]
+        if up == [1.0, 1.0]:
+            return
+        assert time.monotonic() < deadline, f"the frontend did not see both engines serving: {up}"
+        time.sleep(0.05)
 
 
 def _stats(stack, engine: int):
