@@ -11,6 +11,13 @@ runs the same prompts in the same dtype with its KV cache (``past_key_values``),
 ``--generate`` its ``generate()`` is timed too. On a GPU the worker runs as it serves (flex attention,
 decode steps replayed from CUDA graphs captured up to the largest batch; the capture happens in the
 untimed warm-up) and every timing ends with a device synchronize.
+
+    python bench/worker_step.py --numerics fast --no-hf --batches 1 8 --contexts 256 --parts
+
+``--parts``: under each row of ours, where a timed step's time went, in ms per step: each part of the native
+decoder stack (``layers.c``'s timers: norms, qkv, RoPE and the KV write, attention, o, gate/up with SwiGLU,
+down, summed over layers) and the rest of the step outside it (embedding, output layer, sampling, Python).
+``--quantize q8_0`` times a Hugging Face folder quantized at load, as the worker's ``--quantize``.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 
 from conveyor.params import SamplingParams
 from worker_svc import cpu_kernels
-from worker_svc.config import ATTENTION, CPU_ISAS, KV_CACHE_DTYPES, NUMERICS
+from worker_svc.config import ATTENTION, CPU_ISAS, KV_CACHE_DTYPES, NUMERICS, QUANTIZE_AT_LOAD
 from worker_svc.graphs import CudaGraph
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.loader import load_model
@@ -44,8 +51,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def ours_decode(runner: ModelRunner, ids: torch.Tensor, steps: int, warmup: int = 2) -> float:
-    """Prefill every row of ``ids`` (not timed), ``warmup`` untimed decode steps, then ``steps`` timed."""
+def profile(on: bool, parts: bool) -> dict[str, float] | None:
+    """With ``parts``: the native stack's part timers (``cpu_kernels.decoder_profile``) read, then on or off."""
+    return cpu_kernels.decoder_profile(on) if parts else None
+
+
+def ours_decode(runner: ModelRunner, ids: torch.Tensor, steps: int, warmup: int = 2,
+                parts: bool = False) -> tuple[float, float, dict[str, float] | None]:
+    """Prefill every row of ``ids`` (not timed), ``warmup`` untimed decode steps, then ``steps`` timed: (tokens/s,
+    seconds a step, with ``parts`` the seconds of each part of the stack a step)."""
     batch, length = ids.shape
     bs = runner.cache.block_size
     blocks_per_seq = (length + warmup + steps + bs) // bs
@@ -59,15 +73,18 @@ def ours_decode(runner: ModelRunner, ids: torch.Tensor, steps: int, warmup: int 
         last[f"s{b}"] = out[0].sampled.token_id
     for i in range(warmup + steps):
         if i == warmup:
+            profile(True, parts)
             start = time.perf_counter()
         chunks = [SeqChunk(s, [t], length + i, new_block_ids=[], sample=True) for s, t in last.items()]
         last = {r.seq_id: r.sampled.token_id for r in runner.step(StepInput(chunks))}
     seconds = time.perf_counter() - start
+    split = profile(False, parts)
     runner.step(StepInput([], free_seq_ids=list(last)))
-    return batch * steps / seconds
+    return batch * steps / seconds, seconds / steps, split and {k: v / steps for k, v in split.items()}
 
 
-def ours_prefill(runner: ModelRunner, ids: torch.Tensor) -> float:
+def ours_prefill(runner: ModelRunner, ids: torch.Tensor,
+                 parts: bool = False) -> tuple[float, float, dict[str, float] | None]:
     batch, length = ids.shape
     bs = runner.cache.block_size
     per = (length + bs - 1) // bs
@@ -77,11 +94,13 @@ def ours_prefill(runner: ModelRunner, ids: torch.Tensor) -> float:
     runner.step(StepInput([SeqChunk("warm", ids[0, :16].tolist(), 0, new_block_ids=[0], sample=True, sampling=GREEDY,
                                     num_prompt_tokens=16)]))  # warm-up
     runner.step(StepInput([], free_seq_ids=["warm"]))
+    profile(True, parts)
     start = time.perf_counter()
     runner.step(StepInput(chunks))
     seconds = time.perf_counter() - start
+    split = profile(False, parts)
     runner.step(StepInput([], free_seq_ids=[c.seq_id for c in chunks]))
-    return batch * length / seconds
+    return batch * length / seconds, seconds, split
 
 
 def _cache_kwarg(model) -> str:
@@ -162,6 +181,9 @@ def main() -> None:
     parser.add_argument("--attention", choices=ATTENTION, default="auto", help="the worker's --attention")
     parser.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto", help="the worker's --cpu-isa")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the worker's --kv-cache-dtype")
+    parser.add_argument("--quantize", choices=QUANTIZE_AT_LOAD, default="none", help="the worker's --quantize")
+    parser.add_argument("--parts", action="store_true",
+                        help="under each row of ours, the ms a step spent in each part of the native decoder stack")
     parser.add_argument("--no-graphs", action="store_true", help="on a GPU: every decode step eager (--no-cuda-graphs)")
     parser.add_argument("--generate", action="store_true",
                         help="also time transformers' generate() per decoded token (the issue's batch-1 yardstick)")
@@ -170,7 +192,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cpu_kernels.use_isa(args.cpu_isa)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
-    loaded = load_model(args.model, device=device, dtype=dtype, attention=args.attention, numerics=args.numerics)
+    loaded = load_model(args.model, device=device, dtype=dtype, attention=args.attention, numerics=args.numerics,
+                        quantize=args.quantize)
     need = max(args.batches) * ((max(args.contexts) + args.steps + 2 + 16) // 16 + 1)
     need = max(need, args.prefill_batch * (args.prefill_len // 16 + 1))
     cache_dtype = loaded.kv_dtype(args.kv_cache_dtype, args.attention)
@@ -194,19 +217,32 @@ def main() -> None:
         gen = f"{generate:16.1f}{ours / generate:8.2f}" if generate else ""
         print(f"{phase:<8}{batch:>6}{ctx:>9}{ours:16.1f}{ref_s}{ratio}{gen}", flush=True)
 
+    def split(step: float, parts: dict[str, float] | None) -> None:
+        if parts is None:
+            return
+        stack = sum(parts.values())
+        if not stack:
+            print("  parts: this model does not run the native decoder stack")
+            return
+        print("  ms a step: " + ", ".join(f"{name} {s * 1e3:.2f}" for name, s in parts.items())
+              + f"; the stack {stack * 1e3:.2f} of {step * 1e3:.2f} (the rest: embedding, output layer, sampling, Python)",
+              flush=True)
+
     for ctx in args.contexts:
         for batch in args.batches:
             ids = prompts(batch, ctx, vocab).to(device)
-            ours = ours_decode(runner, ids, args.steps)
+            ours, step, parts = ours_decode(runner, ids, args.steps, parts=args.parts)
             ref = hf_decode(hf, ids, args.steps) if hf is not None else None
             generate = hf_generate(hf, ids, args.steps) if hf is not None and args.generate else None
             row("decode", batch, ctx, ours, ref, generate)
+            split(step, parts)
             gc.collect()
     for batch in (1, args.prefill_batch):
         ids = prompts(batch, args.prefill_len, vocab, seed=1).to(device)
-        ours = ours_prefill(runner, ids)
+        ours, step, parts = ours_prefill(runner, ids, parts=args.parts)
         ref = hf_prefill(hf, ids) if hf is not None else None
         row("prefill", batch, args.prefill_len, ours, ref)
+        split(step, parts)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import torch
 from helpers import TinyScheduler, hf_logits, make_runner
 
 from conveyor.params import SamplingParams
+from worker_svc import cpu_kernels
 from worker_svc.runner import InvalidStep, SeqChunk, StepInput
 
 MAX_TOKENS = 40
@@ -65,6 +66,24 @@ def test_small_blocks_spanning_many_blocks(default_model, prompts, alone):
     scheduler.free_blocks.reverse()  # hand out blocks in descending order: tables are not contiguous
     tokens, _ = scheduler.run(prompts, MAX_TOKENS, together=True)
     assert tokens == alone[0]
+
+
+@pytest.mark.skipif(not cpu_kernels.available()[0], reason="no CPU kernels here (the native decoder stack)")
+def test_timing_the_native_stack_by_part_times_every_part_and_changes_no_token(default_model, prompts, alone):
+    """``bench/worker_step.py --parts``: while on, the timers around each part of the native decoder stack
+    (``cpu_kernels.decoder_profile``) count time in every part, off they count none, and the tokens are those
+    of a run without them."""
+    try:
+        cpu_kernels.decoder_profile(True)
+        tokens, _ = TinyScheduler(make_runner(default_model)).run(prompts[:2], MAX_TOKENS, together=True)
+        on = cpu_kernels.decoder_profile(False)
+        TinyScheduler(make_runner(default_model)).run(prompts[:1], 2, together=True)
+        off = cpu_kernels.decoder_profile(False)
+    finally:
+        cpu_kernels.decoder_profile(False)
+    assert tokens == alone[0][:2]
+    assert set(on) == set(cpu_kernels.DECODER_PARTS) and all(seconds > 0 for seconds in on.values()), on
+    assert not any(off.values()), off
 
 
 def test_pytorch_path_generates_the_same_tokens(dense_model, prompts, alone):

@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "native", "flex", "sdpa")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512bf16", "amx")  # worker_svc.cpu_kernels.ISAS
+QUANTIZE_AT_LOAD = ("none", "q8_0", "q4_0")  # --quantize: none, or a key of worker_svc.cpu_kernels.QUANTIZE
 # --numerics: the int8 passes per block of 32 that x is quantized in for a quantized weight (0: the exact product),
 # plus WIDE: from 16 rows of x, quantized weights widened to bf16 and multiplied with bf16 dots, in AMX-BF16 tiles
 # or with AVX512-BF16's vdpbf16ps (tiles.c's TILE_WIDE)
@@ -62,7 +63,7 @@ class WorkerConfig:
         "none", "with native attention: quantize the model's dense linear weights at load (a Hugging Face folder's, "
         "or a GGUF's F16/BF16/F32 tensors) to GGUF q8_0 or q4_0 blocks, as llama.cpp's quantizer does, so they take "
         "the integer-dot path (q4_0 keeps the embedding and output layer at q8_0); none: as stored (bf16 stays "
-        "bf16, multiplied in fp32)", choices=("none", "q8_0", "q4_0"))
+        "bf16, multiplied in fp32)", choices=QUANTIZE_AT_LOAD)
     attention: str = setting(
         "auto", "how a step runs: native = the CPU kernels (GGUF Q4_0/Q4_1/Q8_0 weights kept quantized, any other "
         "weight as stored, the whole decoder in one native call, attention reading the KV cache in place); "

@@ -184,6 +184,8 @@ def _library(wanted: str = "auto") -> tuple[ctypes.CDLL | None, str, str]:
     lib.decoder_forward.argtypes = [ctypes.POINTER(Layer), i64, ctypes.POINTER(Dims), ptr, i64, ptr, ptr, i64, ptr,
                                     ptr, ptr, ptr, ptr]
     lib.decoder_forward.restype = ctypes.c_int
+    lib.decoder_profile.argtypes = [ctypes.c_int, ptr]
+    lib.decoder_profile.restype = None
     lib.qdequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qdequant_rows.restype = ctypes.c_int
     lib.qrepack.argtypes = [ctypes.c_int, ptr, i64, i64]
@@ -433,6 +435,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64)
     _lib().argmax_rows(x.data_ptr(), rows, n, out.data_ptr())
     return out
+
+
+# decoder_forward's parts as ``decoder_profile`` names them (layers.c's PART_* order)
+DECODER_PARTS = ("norms", "qkv", "rope + KV write", "attention", "o", "gate/up + SwiGLU", "down")
+
+
+def decoder_profile(on: bool) -> dict[str, float]:
+    """The seconds each part of ``DecoderStack.forward`` took (summed over layers and calls) since the last call,
+    and the timers turned on or off from now (off: one branch a part). For benchmarks (``bench/worker_step.py
+    --parts``), from the thread that runs the model."""
+    out = (ctypes.c_double * len(DECODER_PARTS))()
+    _lib().decoder_profile(int(on), out)
+    return dict(zip(DECODER_PARTS, out))
 
 
 class DecoderStack:

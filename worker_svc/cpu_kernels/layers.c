@@ -6,6 +6,10 @@
 // is ~1 ms of arithmetic spread over eight kernel calls, each of which cost microseconds of module
 // dispatch, tensor allocation and ctypes argument conversion (~2 ms a step over 30 layers).
 // Activations live in one scratch buffer the caller owns (no allocation per call).
+//
+// decoder_profile turns on timers around each part of a layer (bench/worker_step.py --parts): where a step's
+// time goes inside the one call that a profiler of the Python process sees as a single frame. Off, each part
+// costs one branch.
 
 #include <stdint.h>
 #include <string.h>
@@ -71,6 +75,30 @@ static int swiglu(const QLinear *l, const float *x, int64_t rows, int64_t I, flo
     return 0;
 }
 
+// The parts decoder_profile times, in its order: the norms (both of each layer, and the final one), the qkv
+// product, RoPE with the KV cache's write, attention, the o product, gate/up with SwiGLU, the down product.
+enum { PART_NORMS, PART_QKV, PART_ROPE, PART_ATTENTION, PART_O, PART_GATE_UP, PART_DOWN, PARTS };
+static double part_seconds[PARTS];
+static int profiling;
+
+// Copies the seconds each part took since the last call into ``out`` (PARTS doubles; NULL: not wanted), sets
+// them to 0, and turns the timers on or off. Not for concurrent calls of decoder_forward (one model thread).
+void decoder_profile(int on, double *out) {
+    if (out) memcpy(out, part_seconds, sizeof part_seconds);
+    memset(part_seconds, 0, sizeof part_seconds);
+    profiling = on;
+}
+
+// The time since the last mark, added to ``part``.
+#define MARK(part)                                                   \
+    do {                                                             \
+        if (profiling) {                                             \
+            const double now = omp_get_wtime();                      \
+            part_seconds[part] += now - mark;                        \
+            mark = now;                                              \
+        }                                                            \
+    } while (0)
+
 static int64_t activation_floats(const Dims *d, int64_t T) {
     const int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
     return T * (2 * d->hidden + qkv + d->heads * d->head_dim + 3 * d->intermediate);
@@ -98,20 +126,30 @@ int decoder_forward(const Layer *layers, int64_t num_layers, const Dims *d, floa
     float *gate_up = attn + T * hd;               // (T, 2 * intermediate)
     float *act = gate_up + T * 2 * d->intermediate;  // (T, intermediate)
     void *work = scratch + activation_floats(d, T);  // the tile kernels' (decoder_scratch)
+    double mark = profiling ? omp_get_wtime() : 0.0;
     for (int64_t i = 0; i < num_layers; i++) {
         const Layer *l = &layers[i];
         add_rms_norm(x, i == 0 ? NULL : h, l->input_norm, T, d->hidden, d->eps, normed);
+        MARK(PART_NORMS);
         if (linear(&l->qkv, normed, T, qkv, work)) return -1;
+        MARK(PART_QKV);
         rope_store(qkv, T, d->heads, d->kv_heads, d->head_dim, q_pos, d->cos, d->sin, slots, l->k_cache, l->v_cache,
                    d->kv);
+        MARK(PART_ROPE);
         if (paged_attention(qkv, qkv_width, l->k_cache, l->v_cache, block_tables, max_blocks, q_seq, q_pos, q_prompt,
                             T, d->heads, d->kv_heads, d->head_dim, d->block_size, d->scale, attn, d->kv))
             return -1;
+        MARK(PART_ATTENTION);
         if (linear(&l->o, attn, T, h, work)) return -1;
+        MARK(PART_O);
         add_rms_norm(x, h, l->post_norm, T, d->hidden, d->eps, normed);
+        MARK(PART_NORMS);
         if (swiglu(&l->gate_up, normed, T, d->intermediate, gate_up, act, work)) return -1;
+        MARK(PART_GATE_UP);
         if (linear(&l->down, act, T, h, work)) return -1;
+        MARK(PART_DOWN);
     }
     add_rms_norm(x, num_layers ? h : NULL, d->final_norm, T, d->hidden, d->eps, out);
+    MARK(PART_NORMS);
     return 0;
 }
