@@ -12,7 +12,8 @@ and whether the outputs are bit for bit the same.
 bench cache's ``kernels/``). What is timed:
   - ``attention``: a decode's paged attention, ``--batches`` sequences of ``--context`` keys, the default model's
     heads (9 of 64 values, 3 KV heads), fp16 caches, 30 layers' worth (each its own cache, the blocks in random
-    order, as a long-running server's), one call per layer;
+    order, as a long-running server's), one call per layer; ``--layers 1`` calls one layer's cache 30 times (it
+    stays in the caches: the arithmetic without the wait for memory);
   - ``gemm``: the fast numerics' tiled product (``tile_gemm``) on the default model's four shapes (qkv, o, gate/up,
     down), random weights of ``--types``, 8 weights a shape (past the caches), for each of ``--rows`` and ``--passes``.
 """
@@ -77,12 +78,12 @@ def alternate(calls, rounds: int) -> tuple[list[float], bool]:
     return [statistics.median(t) for t in times], all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def attention_rows(libs, batches: list[int], context: int, rounds: int) -> None:
+def attention_rows(libs, batches: list[int], context: int, layers: int, rounds: int) -> None:
     g = torch.Generator().manual_seed(0)
     for batch in batches:
         per = (context + BLOCK - 1) // BLOCK
         caches = [tuple(torch.randn(batch * per, BLOCK, KV_HEADS, HEAD_DIM, generator=g).half() for _ in range(2))
-                  for _ in range(LAYERS)]
+                  for _ in range(layers)]
         tables = torch.randperm(batch * per, generator=g).view(batch, per).to(torch.int32).contiguous()
         q = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g)
         seq = torch.arange(batch, dtype=torch.int32)
@@ -90,7 +91,7 @@ def attention_rows(libs, batches: list[int], context: int, rounds: int) -> None:
 
         def call(lib):
             out = torch.empty(batch, HEADS * HEAD_DIM)
-            for k, v in caches:
+            for k, v in caches * (LAYERS // layers):
                 lib.paged_attention(q.data_ptr(), q.shape[1], k.data_ptr(), v.data_ptr(), tables.data_ptr(), per,
                                     seq.data_ptr(), pos.data_ptr(), None, batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK,
                                     HEAD_DIM ** -0.5, out.data_ptr(), 1)
@@ -98,7 +99,8 @@ def attention_rows(libs, batches: list[int], context: int, rounds: int) -> None:
 
         medians, same = alternate([lambda lib=lib: call(lib) for lib in libs], rounds)
         gbs = batch * context * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS / 1e9
-        print(f"attention, decode {batch} x {context} keys, {LAYERS} layers: {medians[0] * 1e3:.2f} -> "
+        print(f"attention, decode {batch} x {context} keys, {LAYERS} calls over {layers} layers' caches: "
+              f"{medians[0] * 1e3:.2f} -> "
               f"{medians[1] * 1e3:.2f} ms ({medians[1] / medians[0]:.3f}; K and V {gbs / medians[0]:.1f} -> "
               f"{gbs / medians[1]:.1f} GB/s); same bits: {same}", flush=True)
 
@@ -135,6 +137,8 @@ def main() -> None:
     parser.add_argument("--what", nargs="+", choices=("attention", "gemm"), default=["attention", "gemm"])
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32], help="attention: decoding sequences")
     parser.add_argument("--context", type=int, default=288, help="attention: keys a sequence has")
+    parser.add_argument("--layers", type=int, choices=(1, LAYERS), default=LAYERS,
+                        help="attention: 1 calls one layer's cache every time (it stays in the CPU's caches)")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 512], help="gemm: rows of x")
     parser.add_argument("--types", nargs="+", choices=("q4_0", "q8_0"), default=["q4_0", "q8_0"])
     parser.add_argument("--passes", type=int, nargs="+", choices=(1, 2), default=[1, 2],
@@ -147,7 +151,7 @@ def main() -> None:
         print(f"{args.before} -> {args.after}, {torch.get_num_threads()} threads; medians of {args.rounds} rounds")
         libs = [lib_before, lib_after]
         if "attention" in args.what:
-            attention_rows(libs, args.batches, args.context, args.rounds)
+            attention_rows(libs, args.batches, args.context, args.layers, args.rounds)
         if "gemm" in args.what:
             gemm_rows(before, libs, args.rows, args.types, args.passes, args.rounds)
 
