@@ -6,6 +6,7 @@ and whether the outputs are bit for bit the same.
     python bench/kernel_ab.py                              # HEAD's kernels against the working tree's
     python bench/kernel_ab.py --before HEAD~3 --what attention --batches 8 32
     python bench/kernel_ab.py --what gemm --rows 1 8 32 512 --types q4_0 q8_0 --passes 1 2
+    python bench/kernel_ab.py --what prefill --prompts 256 512
 
 ``--before`` and ``--after`` name git revisions (``worktree``: the files as they are now); only
 ``worker_svc/cpu_kernels/`` is taken from them, each compiled as the worker compiles it (cached under the
@@ -14,6 +15,8 @@ bench cache's ``kernels/``). What is timed:
     heads (9 of 64 values, 3 KV heads), fp16 caches, 30 layers' worth (each its own cache, the blocks in random
     order, as a long-running server's), one call per layer; ``--layers 1`` calls one layer's cache 30 times (it
     stays in the caches: the arithmetic without the wait for memory);
+  - ``prefill``: a prompt's attention (``--prompts`` tokens of one sequence attending causally to themselves, the
+    flash path), the same heads and cache, one layer's call 30 times;
   - ``gemm``: the fast numerics' tiled product (``tile_gemm``) on the default model's four shapes (qkv, o, gate/up,
     down), random weights of ``--types``, 8 weights a shape (past the caches), for each of ``--rows`` and ``--passes``.
 """
@@ -105,6 +108,32 @@ def attention_rows(libs, batches: list[int], context: int, layers: int, rounds: 
               f"{gbs / medians[1]:.1f} GB/s); same bits: {same}", flush=True)
 
 
+def prefill_rows(libs, prompts: list[int], rounds: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for length in prompts:
+        per = (length + BLOCK - 1) // BLOCK
+        k, v = (torch.randn(per, BLOCK, KV_HEADS, HEAD_DIM, generator=g).half() for _ in range(2))
+        table = torch.randperm(per, generator=g).to(torch.int32).view(1, per)
+        q = torch.randn(length, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g)
+        seq = torch.zeros(length, dtype=torch.int32)
+        pos = torch.arange(length, dtype=torch.int32)
+        prompt = torch.ones(length, dtype=torch.uint8)
+
+        def call(lib):
+            out = torch.empty(length, HEADS * HEAD_DIM)
+            for _ in range(LAYERS):
+                lib.paged_attention(q.data_ptr(), q.shape[1], k.data_ptr(), v.data_ptr(), table.data_ptr(), per,
+                                    seq.data_ptr(), pos.data_ptr(), prompt.data_ptr(), length, HEADS, KV_HEADS,
+                                    HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, out.data_ptr(), 1)
+            return out
+
+        medians, same = alternate([lambda lib=lib: call(lib) for lib in libs], rounds)
+        flops = 2 * 2 * HEADS * length * (length + 1) / 2 * HEAD_DIM * LAYERS / 1e9  # the causal products
+        print(f"attention, a prompt of {length} tokens, {LAYERS} calls: {medians[0] * 1e3:.2f} -> {medians[1] * 1e3:.2f} "
+              f"ms ({medians[1] / medians[0]:.3f}; {flops / medians[0]:.0f} -> {flops / medians[1]:.0f} GFLOP/s); "
+              f"same bits: {same}", flush=True)
+
+
 def gemm_rows(module, libs, rows: list[int], types: list[str], passes: list[int], rounds: int) -> None:
     g = torch.Generator().manual_seed(0)
     for name in types:
@@ -134,11 +163,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", default="HEAD")
     parser.add_argument("--after", default="worktree")
-    parser.add_argument("--what", nargs="+", choices=("attention", "gemm"), default=["attention", "gemm"])
+    parser.add_argument("--what", nargs="+", choices=("attention", "prefill", "gemm"),
+                        default=["attention", "prefill", "gemm"])
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32], help="attention: decoding sequences")
     parser.add_argument("--context", type=int, default=288, help="attention: keys a sequence has")
     parser.add_argument("--layers", type=int, choices=(1, LAYERS), default=LAYERS,
                         help="attention: 1 calls one layer's cache every time (it stays in the CPU's caches)")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[256, 512], help="prefill: prompt lengths")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 512], help="gemm: rows of x")
     parser.add_argument("--types", nargs="+", choices=("q4_0", "q8_0"), default=["q4_0", "q8_0"])
     parser.add_argument("--passes", type=int, nargs="+", choices=(1, 2), default=[1, 2],
@@ -152,6 +183,8 @@ def main() -> None:
         libs = [lib_before, lib_after]
         if "attention" in args.what:
             attention_rows(libs, args.batches, args.context, args.layers, args.rounds)
+        if "prefill" in args.what:
+            prefill_rows(libs, args.prompts, args.rounds)
         if "gemm" in args.what:
             gemm_rows(before, libs, args.rows, args.types, args.passes, args.rounds)
 

@@ -378,12 +378,6 @@ static void attend_any_d(const float *qt, const void *kc, const void *vc, const 
 // A 512-token prompt's prefill runs 1.2-1.35x faster than with the row path on a Zen 5.
 enum { LANES = 16, KEYS = 16 };
 
-// exp(x) of 16 lanes: exp256 (simd.h) on each half.
-static inline __m512 exp512(__m512 x) {
-    const __m256 lo = exp256(_mm512_castps512_ps256(x));
-    const __m256 hi = exp256(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
 
 // Tokens t0 .. t0 + n - 1 (positions p0 .. p0 + n - 1 of one sequence, n * G <= 16), KV head kvh. ``work``:
 // (2 KEYS + 2 LANES) * D floats of this thread's scratch: the tile's keys and values, q^T and o.

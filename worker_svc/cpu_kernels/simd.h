@@ -1,28 +1,36 @@
-// Small AVX2 helpers shared by the CPU kernels.
+// Small vector helpers shared by the CPU kernels (AVX2; exp512 where the build has AVX512).
 #pragma once
 
 #include <immintrin.h>
 
-// exp(x), 8 at a time (inputs clamped to [-87.3, 88.7], where float exp is finite and normal). Cephes' range reduction
-// x = n ln2 + r with a degree-6 polynomial for e^r: relative error ~1e-7, like expf.
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
-    r = _mm256_fnmadd_ps(n, ln2_lo, r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    __m256 r2 = _mm256_mul_ps(r, r);
-    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+// exp(x) (inputs clamped to [-87.3, 88.7], where float exp is finite and normal). Cephes' range reduction
+// x = n ln2 + r with a degree-6 polynomial for e^r: relative error ~1e-7, like expf. Written once for any vector
+// width (P: the intrinsics' prefix; ROUND: to the nearest integer; CAST: int32 lanes as floats), so exp256's 8
+// lanes and exp512's 16 take the same operations lane for lane: the same bits.
+#define DEFINE_EXP(NAME, V, P, ROUND, CAST)                                                                       \
+    static inline V NAME(V x) {                                                                                 \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.7f));                                 \
+        const V log2e = P##_set1_ps(1.44269504088896341f);                                                      \
+        const V ln2_hi = P##_set1_ps(0.693359375f), ln2_lo = P##_set1_ps(-2.12194440e-4f);                      \
+        const V n = ROUND(P##_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                 \
+        V r = P##_fnmadd_ps(n, ln2_hi, x);                                                                      \
+        r = P##_fnmadd_ps(n, ln2_lo, r);                                                                        \
+        V p = P##_set1_ps(1.9875691500e-4f);                                                                    \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f));                                                  \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f));                                                  \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f));                                                  \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f));                                                  \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f));                                                  \
+        const V r2 = P##_mul_ps(r, r);                                                                          \
+        p = P##_fmadd_ps(p, r2, P##_add_ps(r, P##_set1_ps(1.0f)));                                              \
+        const V e = CAST(P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23));         \
+        return P##_mul_ps(p, e);                                                                                \
+    }
+
+DEFINE_EXP(exp256, __m256, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
+#if defined(__AVX512F__)
+DEFINE_EXP(exp512, __m512, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
+#endif
 
 // SwiGLU's silu(g) * u, 8 at a time: g / (1 + exp(-g)) * u (silu_mul, and the AMX products' fused epilogue:
 // the same operations, so the same bits).
