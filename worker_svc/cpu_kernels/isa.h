@@ -52,6 +52,7 @@ typedef __m512 vf;
 #define vf_cvt(i) _mm512_cvtepi32_ps(i)
 #define vf_cast(i) _mm512_castsi512_ps(i)
 #define vf_store(p, v) _mm512_storeu_ps(p, v)
+#define vf_load(p) _mm512_loadu_ps(p)
 #define vf_half(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))  // W fp16 -> fp32
 
 // acc + sum over each lane's 4 byte pairs of u (unsigned) * s (signed), in int32 (no saturation)
@@ -99,6 +100,7 @@ typedef __m256 vf;
 #define vf_cvt(i) _mm256_cvtepi32_ps(i)
 #define vf_cast(i) _mm256_castsi256_ps(i)
 #define vf_store(p, v) _mm256_storeu_ps(p, v)
+#define vf_load(p) _mm256_loadu_ps(p)
 #define vf_half(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 
 // maddubs saturates a pair sum at 32767: callers keep |u * s| <= 127 * 127 (quant.h's weights, signs moved to s)
