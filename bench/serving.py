@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--numerics", choices=tuple(NUMERICS), default="fast", help="the worker's --numerics (both sides)")
     parser.add_argument("--model-nice", type=int, default=WorkerConfig.model_nice,
                         help="the served worker's --model-nice (0: its model threads at the other processes' priority)")
+    parser.add_argument("--small-step-threads", type=int, default=WorkerConfig.small_step_threads,
+                        help="the served worker's --small-step-threads (-1: a lone stream's decode on one core fewer)")
     parser.add_argument("--model", default="default", help="any --model of `conveyor up` (both sides)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides; on a GPU in bf16, flex attention "
                         "and CUDA graphs, as the worker serves)")
@@ -142,7 +144,8 @@ def main() -> None:
     free = {f"{name}_metrics_port": 0 for name in ("frontend", "scheduler", "worker", "detokenizer")}
     stack = start(UpConfig.of(model=args.model, device=args.device, port=free_port(), worker_port=0, scheduler_port=0,
                            detokenizer_port=0, deliver_port=0, kv_cache_bytes=args.kv_cache_bytes, log_level="WARNING",
-                           numerics=args.numerics, model_nice=args.model_nice, **free))
+                           numerics=args.numerics, model_nice=args.model_nice,
+                           small_step_threads=args.small_step_threads, **free))
     try:
         with Client(stack.endpoint, timeout=1200) as client:
             prompt = prompt_text(client, args.prompt_tokens)
