@@ -7,6 +7,7 @@ and whether the outputs are bit for bit the same.
     python bench/kernel_ab.py --before HEAD~3 --what attention --batches 8 32
     python bench/kernel_ab.py --what gemm --rows 1 8 32 512 --types q4_0 q8_0 --passes 1 2
     python bench/kernel_ab.py --what prefill --prompts 256 512
+    python bench/kernel_ab.py --isa avx2 --what attention  # the AVX2 fallback's kernels, on an AVX512 CPU too
 
 ``--before`` and ``--after`` name git revisions (``worktree``: the files as they are now); only
 ``worker_svc/cpu_kernels/`` is taken from them, each compiled as the worker compiles it (cached under the
@@ -44,9 +45,9 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30  # the default model
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate/up", 3072, 576), ("down", 576, 1536)]  # (name, N, K)
 
 
-def kernels_of(revision: str, into: Path):
+def kernels_of(revision: str, into: Path, isa: str = "auto"):
     """``worker_svc.cpu_kernels`` as of ``revision`` (``worktree``: as the files are now), imported under a name of
-    its own, its library compiled and loaded."""
+    its own, its library compiled for ``isa`` (as ``--cpu-isa``) and loaded."""
     if revision == "worktree":
         folder = ROOT / KERNELS
     else:
@@ -60,7 +61,8 @@ def kernels_of(revision: str, into: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    lib, why, _ = module._library("auto")
+    module.use_isa(isa)  # the tiles' layout too (kernel_layout) follows the set: 8 or 16 lanes
+    lib, why, _ = module._library(isa)
     if lib is None:
         raise SystemExit(f"{revision}: the kernels cannot run here: {why}")
     return module, lib
@@ -175,11 +177,14 @@ def main() -> None:
     parser.add_argument("--passes", type=int, nargs="+", choices=(1, 2), default=[1, 2],
                         help="gemm: x's int8 passes (int8: 1, fast: 2)")
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--isa", default="auto", help="the instruction set both builds are compiled for, as the "
+                        "worker's --cpu-isa (avx2: the fallback's paths on an AVX512 CPU)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        (before, lib_before), (_, lib_after) = (kernels_of(rev, Path(tmp) / str(i))
+        (before, lib_before), (_, lib_after) = (kernels_of(rev, Path(tmp) / str(i), args.isa)
                                                 for i, rev in enumerate((args.before, args.after)))
-        print(f"{args.before} -> {args.after}, {torch.get_num_threads()} threads; medians of {args.rounds} rounds")
+        print(f"{args.before} -> {args.after}, {args.isa} kernels, {torch.get_num_threads()} threads; medians of "
+              f"{args.rounds} rounds")
         libs = [lib_before, lib_after]
         if "attention" in args.what:
             attention_rows(libs, args.batches, args.context, args.layers, args.rounds)

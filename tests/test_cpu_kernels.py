@@ -307,14 +307,20 @@ def _check_attention(d, heads, hkv, token_seq, token_pos, block_size=4, num_bloc
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.supported_isas())
 @pytest.mark.parametrize("dtype", cpu_kernels.KV_DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 128, 40])
-def test_attention_reads_the_paged_cache_like_a_gather(d, dtype):
-    # a decode at position 41, a prefill chunk at positions 9..13 (attending to earlier context), a fresh token;
-    # as decodes, then as prompt tokens
-    _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d, dtype=dtype)
-    _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d, prompt=[0, 1, 1, 1, 1, 1, 1],
-                     dtype=dtype)
+def test_attention_reads_the_paged_cache_like_a_gather(d, dtype, isa):
+    # a decode at position 41 (past AHEAD keys: its rows are prefetched as it goes), a prefill chunk at positions
+    # 9..13 (attending to earlier context), a fresh token; as decodes, then as prompt tokens; on every instruction
+    # set this CPU has (AVX2's 8-lane paths too)
+    cpu_kernels.use_isa(isa)
+    try:
+        _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d, dtype=dtype)
+        _check_attention(d, 6, 2, [0, 1, 1, 1, 1, 1, 2], [41, 9, 10, 11, 12, 13, 0], seed=d,
+                         prompt=[0, 1, 1, 1, 1, 1, 1], dtype=dtype)
+    finally:
+        cpu_kernels.use_isa("auto")
 
 
 @pytest.mark.parametrize("dtype", cpu_kernels.KV_DTYPES, ids=str)

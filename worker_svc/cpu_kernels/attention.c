@@ -104,6 +104,20 @@ static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_s
     return (int64_t)table[key / block_size] * block_size + key % block_size;
 }
 
+enum { AHEAD = 32 };  // keys between a row's prefetch and its use
+
+// Rows [j0, j1) of a cache (D values of one head each) fetched toward L2 ahead of their use: the blocks of a
+// sequence lie anywhere, so the hardware's stride prefetchers do not see them coming (AVX512: 1.3-1.6x at 8-32
+// streams; AVX2: see ``attend``).
+static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int32_t *table, int64_t j0,
+                                                                 int64_t j1, int64_t block_size, int64_t row,
+                                                                 int64_t D, int kv) {
+    for (int64_t key = j0; key < j1; key++) {
+        const char *at = (const char *)kv_at(cache, slot_of(table, key, block_size) * row, kv);
+        for (int64_t b = 0; b < kv_head(D, kv) * kv_bytes(kv); b += 64) prefetch_line(at + b);
+    }
+}
+
 // Heads of a group whose scores (and outputs) one pass over a key's (value's) row computes in ``attend``: the
 // row is loaded and widened once for them, not once per head (a third of the loads and conversions at G = 3).
 enum { ROW_HEADS = 4, OUT_HEADS = 3, OUT_VECS = 4 };
@@ -114,13 +128,14 @@ enum { ROW_HEADS = 4, OUT_HEADS = 3, OUT_VECS = 4 };
 static inline __attribute__((always_inline)) void score_rows8(int gh, const float *q, const void *k_cache,
                                                                const int32_t *table, int64_t j0, int64_t j1,
                                                                int64_t block_size, int64_t row, int64_t D, float scale,
-                                                               float *s, int64_t n, int kv) {
+                                                               float *s, int64_t n, int kv, int ahead) {
     for (int64_t j = j0; j < j1;) {  // block by block through the table
         const int64_t blk = j / block_size, o0 = j % block_size;
         const void *kb = kv_at(k_cache, (int64_t)table[blk] * block_size * row, kv);
         const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
         for (int64_t o = o0; j < stop; o++, j++) {
             const void *key = kv_at(kb, o * row, kv);
+            if (ahead && j + AHEAD < j1) prefetch_rows(k_cache, table, j + AHEAD, j + AHEAD + 1, block_size, row, D, kv);
             __m256 a0[ROW_HEADS], a1[ROW_HEADS];
             for (int g = 0; g < gh; g++) a0[g] = a1[g] = _mm256_setzero_ps();
             int64_t d = 0;
@@ -145,7 +160,7 @@ static inline __attribute__((always_inline)) void score_rows8(int gh, const floa
 static inline __attribute__((always_inline)) void weigh_values8(int gh, const void *v_cache, const int32_t *table,
                                                                  int64_t j0, int64_t j1, int64_t block_size,
                                                                  int64_t row, int64_t D, const float *p, int64_t n,
-                                                                 float *out, int kv) {
+                                                                 float *out, int kv, int ahead) {
     for (int64_t d0 = 0; d0 < D; d0 += 8 * OUT_VECS) {
         const int64_t nv = (D - d0) / 8 < OUT_VECS ? (D - d0) / 8 : OUT_VECS;
         __m256 acc[OUT_HEADS][OUT_VECS];
@@ -157,6 +172,8 @@ static inline __attribute__((always_inline)) void weigh_values8(int gh, const vo
             const int64_t stop = (blk + 1) * block_size < j1 ? (blk + 1) * block_size : j1;
             for (int64_t o = o0; j < stop; o++, j++) {
                 const void *value = kv_at(vb, o * row, kv);
+                if (ahead && d0 == 0 && j + AHEAD < j1)
+                    prefetch_rows(v_cache, table, j + AHEAD, j + AHEAD + 1, block_size, row, D, kv);
                 __m256 pj[OUT_HEADS];
                 for (int g = 0; g < gh; g++) pj[g] = _mm256_set1_ps(p[g * n + j - j0]);
                 for (int64_t v = 0; v < nv; v++) {
@@ -179,9 +196,13 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
                                                           int64_t G, int64_t D, float scale, float *scores,
                                                           float *out, float *mx, float *sum, int kv) {
     const int64_t n = j1 - j0;
+    // as attend16: the rows AHEAD keys on are prefetched as the loops go (by the first group of heads only), the
+    // first AHEAD rows of K here and of V while the scores' exps run
+    prefetch_rows(k_cache, table, j0, j0 + AHEAD < j1 ? j0 + AHEAD : j1, block_size, row, D, kv);
     for (int64_t g0 = 0; g0 < G; g0 += ROW_HEADS) {
         const int64_t gh = G - g0 < ROW_HEADS ? G - g0 : ROW_HEADS;
-#define SCORE(GH) score_rows8(GH, qt + g0 * D, k_cache, table, j0, j1, block_size, row, D, scale, scores + g0 * n, n, kv)
+#define SCORE(GH) score_rows8(GH, qt + g0 * D, k_cache, table, j0, j1, block_size, row, D, scale, scores + g0 * n, n, kv, \
+                          g0 == 0)
         switch (gh) {  // a constant count of heads, so their partial sums stay in registers
             case 1: SCORE(1); break;
             case 2: SCORE(2); break;
@@ -190,10 +211,12 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
         }
 #undef SCORE
     }
+    prefetch_rows(v_cache, table, j0, j0 + AHEAD < j1 ? j0 + AHEAD : j1, block_size, row, D, kv);
     for (int64_t g = 0; g < G; g++) mx[g] = exp_shifted(scores + g * n, n, sum + g);
     for (int64_t g0 = 0; g0 < G; g0 += OUT_HEADS) {
         const int64_t gh = G - g0 < OUT_HEADS ? G - g0 : OUT_HEADS;
-#define WEIGH(GH) weigh_values8(GH, v_cache, table, j0, j1, block_size, row, D, scores + g0 * n, n, out + g0 * D, kv)
+#define WEIGH(GH) weigh_values8(GH, v_cache, table, j0, j1, block_size, row, D, scores + g0 * n, n, out + g0 * D, \
+                            kv, g0 == 0)
         switch (gh) {
             case 1: WEIGH(1); break;
             case 2: WEIGH(2); break;
@@ -209,7 +232,7 @@ static inline __attribute__((always_inline)) void attend(const float *qt, const 
 // (sum16: 15 shuffles and 15 adds, against a horizontal sum per key). Values: each row of V is loaded once for
 // up to 4 heads of the group, their outputs in registers. A key's score, and each head's output, take the same
 // operations in the same order whichever keys share its vectors: the bits depend on the key range only.
-enum { HEADS_AT_ONCE = 4, AHEAD = 32 };  // AHEAD: keys between a row's prefetch and its use
+enum { HEADS_AT_ONCE = 4 };
 
 static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int kv) {
     if (kv == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -223,17 +246,6 @@ static inline __attribute__((always_inline)) __m512 kv_row16(const void *row, in
     const __m512 v = kv_load16(kv_at(row, d, kv), kv);
     if (kv != KV_I8) return v;
     return _mm512_mul_ps(v, _mm512_set1_ps(((const float *)((const char *)row + D))[d / I8_BLOCK]));
-}
-
-// Rows [j0, j1) of a cache (D floats of one head each) fetched toward L1 ahead of their use: the blocks of a
-// sequence lie anywhere, so the hardware's stride prefetchers do not see them coming (1.3-1.6x at 8-32 streams).
-static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int32_t *table, int64_t j0,
-                                                                 int64_t j1, int64_t block_size, int64_t row,
-                                                                 int64_t D, int kv) {
-    for (int64_t key = j0; key < j1; key++) {
-        const char *at = (const char *)kv_at(cache, slot_of(table, key, block_size) * row, kv);
-        for (int64_t b = 0; b < kv_head(D, kv) * kv_bytes(kv); b += 64) prefetch_line(at + b);
-    }
 }
 
 // v[i]'s lanes summed, for i = 0..15, as the lanes of one vector.
