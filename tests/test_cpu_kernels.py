@@ -123,6 +123,38 @@ def test_every_instruction_set_gives_the_same_fast_product(qtype, passes):
             assert torch.equal(y[: len(first)], first), name
 
 
+@pytest.mark.skipif(len(cpu_kernels.supported_isas()) < 2, reason="this CPU has one of the kernels' instruction sets")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_4bit_block_sums_are_exact_on_every_instruction_set(qtype, sign):
+    """AVX2's one pass adds a block's 4-bit products in 16 bits before widening them: 31 nibbles of 15 a block against
+    x at its largest (127 once quantized) bring those sums to 29,000-30,500 of int16's 32,767, and they must still
+    be the int32 sums vpdpbusd makes (AVX512), and the exact product."""
+    n, k = 16, 256
+    if qtype == Q.Q4_0:  # d = 1 from the block's -8: 7 -> nibble 15, -8 -> 0
+        w = np.full((n, k), 7.0, np.float32)
+        w[:, ::32] = -8.0
+    else:  # min 0, d = 1: 15 -> nibble 15
+        w = np.full((n, k), 15.0, np.float32)
+        w[:, ::32] = 0.0
+    blocks = gguf.quants.quantize(w, qtype)
+    dense = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(n, k))
+    assert torch.equal(dense, torch.from_numpy(w))  # the nibbles are 15 but one a block
+    x = torch.full((5, k), sign)
+    results = {}
+    for name in cpu_kernels.supported_isas():
+        cpu_kernels.use_isa(name)
+        try:
+            qweight = cpu_kernels.kernel_layout(torch.from_numpy(blocks.copy()).reshape(n, -1), int(qtype), k, True)
+            results[name] = cpu_kernels.qgemm(x, qweight, int(qtype), n, 1)
+        finally:
+            cpu_kernels.use_isa("auto")
+    first = results.pop("avx2")
+    torch.testing.assert_close(first, x @ dense.T, rtol=1e-5, atol=0)
+    for name, y in results.items():
+        assert torch.equal(y, first), name
+
+
 @pytest.mark.skipif("amx" not in cpu_kernels.supported_isas(), reason="this CPU has no AMX tiles")
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("passes", [1, 2])
