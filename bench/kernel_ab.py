@@ -61,7 +61,7 @@ def kernels_of(revision: str, into: Path, isa: str = "auto"):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    module.use_isa(isa)  # the tiles' layout too (kernel_layout) follows the set: 8 or 16 lanes
+    module.use_isa(isa)  # the module's own calls (quantize, kernel_layout) on the same build as the timed ones
     lib, why, _ = module._library(isa)
     if lib is None:
         raise SystemExit(f"{revision}: the kernels cannot run here: {why}")
