@@ -4,9 +4,12 @@ client sends a ``TokenBatch`` of one request's token to a server it starts, whic
 
     python bench/grpc_hop.py                              # every variant below, 1,000 messages each
     python bench/grpc_hop.py --messages 3000 --pace-ms 0 2
+    python bench/grpc_hop.py --tls                        # with the internal mutual TLS (conveyor up's default)
 
 Variants: a link (a thread per link on the server, as the worker and the detokenizer serve theirs; the link on
-an event loop, as the frontend serves its, with ``--server aio``); a gRPC bidirectional stream on gRPC's thread
+an event loop, as the frontend serves its, ``link-aio``), dialled over TCP (client ``link``: with TLS under
+``--tls``) or to its abstract Unix socket (client ``local``: what services in one network namespace use, never
+TLS); a gRPC bidirectional stream on gRPC's thread
 pool or on ``grpc.aio``, its client ``AnsweredStream`` below (requests from a queue, answers read on a thread of
 their own, as the scheduler's was) or ``grpc.aio`` on an event loop thread; every message answered or only every
 64th; back to back or one every ``--pace-ms`` (as engine steps come). The table gives wall time and the CPU of
@@ -24,6 +27,7 @@ import queue
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -46,8 +50,9 @@ def answer(batch, every: int):
     return ANSWER(step=batch.step) if batch.step % every == 0 else None
 
 
-def serve(kind: str, port: int, every: int) -> None:
-    """The server side, in its own process: ``kind`` threads | aio (gRPC) or link | link-aio."""
+def serve(kind: str, port: int, every: int, name_file: str) -> None:
+    """The server side, in its own process: ``kind`` threads | aio (gRPC) or link | link-aio (which write their
+    local socket's name to ``name_file``)."""
     if kind == "threads":
         def push(request_iterator, context):
             for batch in request_iterator:
@@ -62,15 +67,19 @@ def serve(kind: str, port: int, every: int) -> None:
     elif kind == "link":
         def run(link: Link) -> None:
             while True:
-                batch = link.receive(BATCH.FromString)
+                try:
+                    batch = link.receive(BATCH.FromString)
+                except ConnectionError:
+                    return  # the client is done
                 if (reply := answer(batch, every)) is not None:
                     link.send(reply)
 
-        LinkServer("127.0.0.1", port, lambda link: threading.Thread(target=run, args=(link,), daemon=True).start(),
-                   "hop")
+        links = LinkServer("127.0.0.1", port,
+                           lambda link: threading.Thread(target=run, args=(link,), daemon=True).start(), "hop")
+        Path(name_file).write_text(links.local_name)
         threading.Event().wait()
     else:
-        asyncio.run(_serve_aio(kind, port, every))
+        asyncio.run(_serve_aio(kind, port, every, name_file))
 
 
 def _handler(push: Callable) -> grpc.GenericRpcHandler:
@@ -78,9 +87,10 @@ def _handler(push: Callable) -> grpc.GenericRpcHandler:
         push, request_deserializer=BATCH.FromString, response_serializer=ANSWER.SerializeToString)})
 
 
-async def _serve_aio(kind: str, port: int, every: int) -> None:
+async def _serve_aio(kind: str, port: int, every: int, name_file: str) -> None:
     if kind == "link-aio":  # every message is answered there (the frontend's deltas are)
-        await serve_on_loop("127.0.0.1", port, BATCH.FromString, lambda batch: ANSWER(step=batch.step), "hop")
+        links = await serve_on_loop("127.0.0.1", port, BATCH.FromString, lambda batch: ANSWER(step=batch.step), "hop")
+        Path(name_file).write_text(links.local_name)
         await asyncio.Event().wait()
 
     async def push(request_iterator, context):
@@ -167,10 +177,11 @@ class AioStream:
 
 
 class LinkStream:
-    """``send``/``receive`` on a link, both on the caller's thread (as the scheduler's)."""
+    """``send``/``receive`` on a link, both on the caller's thread (as the scheduler's): to its local socket
+    ``local_name``, or over TCP ("")."""
 
-    def __init__(self, port: int):
-        self.link = Link.connect("127.0.0.1", port, timeout=30)
+    def __init__(self, port: int, local_name: str = ""):
+        self.link = Link.connect("127.0.0.1", port, timeout=30, local_name=local_name)
 
     def send(self, message) -> None:
         self.link.send(message)
@@ -182,12 +193,16 @@ class LinkStream:
         self.link.close()
 
 
-def connect(client_kind: str, port: int):
+def connect(client_kind: str, port: int, name_file: Path):
     deadline = time.monotonic() + 30
     while True:  # until the server listens
         try:
             if client_kind == "link":
                 return LinkStream(port)
+            if client_kind == "local":  # the name is written once both sockets listen
+                if not (name := name_file.read_text() if name_file.exists() else ""):
+                    raise OSError("the server names no local socket yet")
+                return LinkStream(port, name)
             address = f"127.0.0.1:{port}"
             channel = grpc.insecure_channel(address)
             grpc.channel_ready_future(channel).result(timeout=30)
@@ -203,9 +218,10 @@ def measure(server_kind: str, client_kind: str, every: int, pace: float, message
     from pipeline_ceiling import cpu_seconds  # bench/ is this script's folder
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--serve", server_kind, str(port), str(every)])
+    name_file = Path(tempfile.mkdtemp()) / "name"
+    server = subprocess.Popen([sys.executable, __file__, "--serve", server_kind, str(port), str(every), str(name_file)])
     try:
-        stream = connect(client_kind, port)
+        stream = connect(client_kind, port, name_file)
         batch = BATCH(requests=[detokenizer_pb2.RequestTokens(request_id="0" * 32, first_index=100, token_ids=[1234])])
 
         def run(first: int, count: int) -> None:
@@ -233,21 +249,30 @@ def measure(server_kind: str, client_kind: str, every: int, pace: float, message
         server.wait()
 
 
-VARIANTS = [("link", "link"), ("link-aio", "link"), ("threads", "threads"), ("threads", "aio"), ("aio", "threads"),
-            ("aio", "aio")]  # (server, client)
+VARIANTS = [("link", "link"), ("link", "local"), ("link-aio", "link"), ("link-aio", "local"), ("threads", "threads"),
+            ("threads", "aio"), ("aio", "threads"), ("aio", "aio")]  # (server, client)
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=1000)
     parser.add_argument("--pace-ms", type=float, nargs="+", default=[0.0, 2.0],
                         help="a message every this many ms (0: back to back)")
     parser.add_argument("--answer-every", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--tls", action="store_true",
+                        help="links over TCP with the internal mutual TLS (certificates made in a temporary folder)")
     args = parser.parse_args()
-    print(f"{args.messages} messages per row, {os.cpu_count()} cores (µs per message)")
+    if args.tls:
+        from conveyor.credentials import make_internal_tls  # noqa: PLC0415 - cryptography only when asked for
+        from conveyor.grpc_util import INTERNAL_TLS_ENV  # noqa: PLC0415
+
+        folder = tempfile.mkdtemp()
+        make_internal_tls(folder)
+        os.environ[INTERNAL_TLS_ENV] = folder  # this process's links and the servers it starts
+    print(f"{args.messages} messages per row, {os.cpu_count()} cores (µs per message){', TLS' if args.tls else ''}")
     print(f"{'server':>9}{'client':>8}{'answered':>10}{'pace ms':>9}{'wall':>8}{'client CPU':>12}{'server CPU':>12}")
     for pace in args.pace_ms:
         for every in args.answer_every:

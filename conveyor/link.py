@@ -1,10 +1,18 @@
 """Links: the one stream a service receives every engine step (the worker's steps, the detokenizer's token
-batches, the frontend's deltas), as protobuf messages after their length on one TCP connection. The format
+batches, the frontend's deltas), as protobuf messages after their length on one connection. The format
 and why not gRPC: ``protos/conveyor/v1/link.proto``. A message costs one ``send`` and one wake of the thread
 (or event loop) that reads it (``bench/grpc_hop.py`` measures both). What the streams need from gRPC is kept:
 mutual TLS with the internal certificates (``CONVEYOR_INTERNAL_TLS_DIR``), a size limit, an error that ends
 the link with a status name and the sequence at fault, timeouts, and a broken connection seen at once.
 Everything else (health, reflection, the ``Link`` call that names the port) stays on the service's gRPC port.
+
+A service listens twice: on its TCP port, and (on Linux) on an abstract Unix socket of a random name. A caller
+in the same network namespace (the same host under ``conveyor up``, the same pod) connects to the socket and
+skips TLS: the kernel tells each end the other's user (``SO_PEERCRED``), and a peer that is not this process's
+user is refused, which is what guards the certificates' files too. TLS over the loopback cost more CPU than
+anything else on a link (Python's ``ssl`` a message each way, asyncio's pure-Python TLS on the frontend's event
+loop): at one stream the pipeline spent about twice the CPU a token with it (``bench/pipeline_ceiling.py``). A
+caller elsewhere finds no such socket and takes TCP, with TLS when the certificates are set.
 """
 
 from __future__ import annotations
@@ -12,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import secrets
 import socket
 import ssl
 import struct
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +37,8 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IB")
 MESSAGE, ERROR = 0, 1
+LOCAL = sys.platform == "linux"  # abstract Unix sockets are Linux's
+PEER_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's struct ucred: pid, uid, gid
 
 
 def frame(message, kind: int = MESSAGE) -> bytes:
@@ -56,12 +69,53 @@ class LinkError(Exception):
 
 def keep_alive(sock: socket.socket) -> None:
     """No delay for small messages, and TCP keepalive probes: a thread blocked reading a link whose peer's host
-    vanished (no reset ever comes) learns it within ~35 s instead of TCP's hours."""
+    vanished (no reset ever comes) learns it within ~35 s instead of TCP's hours. Nothing on a Unix socket (its
+    peer is on this host: the kernel closes its end when it dies)."""
+    if sock.family == socket.AF_UNIX:
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 20), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, name):  # Linux; elsewhere the system's defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def local_listener() -> tuple[socket.socket, str] | tuple[None, str]:
+    """A listening abstract Unix socket of a new random name, and the name (None and "" off Linux)."""
+    if not LOCAL:
+        return None, ""
+    name = f"conveyor-link-{secrets.token_hex(16)}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen()
+    return listener, name
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Whether the process at the other end of a Unix socket runs as this one's user (root's peers: root)."""
+    _pid, uid, _gid = PEER_CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              PEER_CREDENTIALS.size))
+    return uid == os.geteuid()
+
+
+def connect_local(name: str, timeout: float) -> socket.socket | None:
+    """A connection to the abstract Unix socket ``name``, or None where it cannot be reached (another network
+    namespace: another host or container). Raises ``ConnectionError`` when it is held by another user."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect("\0" + name)
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    except BaseException:
+        sock.close()
+        raise
+    if not same_user(sock):
+        sock.close()
+        raise ConnectionError(f"the link socket {name!r} is held by another user")
+    sock.settimeout(None)
+    return sock
 
 
 def _tls_context(server: bool) -> ssl.SSLContext | None:
@@ -86,8 +140,13 @@ class Link:
         self._header = bytearray(HEADER.size)
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float = 5.0) -> Link:
-        """A link to ``host:port`` (over mutual TLS when the internal certificates are set)."""
+    def connect(cls, host: str, port: int, timeout: float = 5.0, local_name: str = "") -> Link:
+        """A link to the abstract Unix socket ``local_name`` where it can be reached, else to ``host:port`` (over
+        mutual TLS when the internal certificates are set)."""
+        if local_name and LOCAL:
+            sock = connect_local(local_name, timeout)
+            if sock is not None:
+                return cls(sock, f"{host}:{port} (local)")
         sock = socket.create_connection((host, port), timeout=timeout)
         context = _tls_context(server=False)
         if context is not None:
@@ -103,14 +162,20 @@ class Link:
     def dial(cls, ask: Callable, address: str, timeout: float = 5.0) -> Link:
         """A link to the service whose gRPC server is at ``address``: ``ask`` is its stub's ``Link`` method,
         which names the port (on the same host)."""
-        port = ask(link_pb2.LinkRequest(), timeout=timeout).port
-        if not port:
+        where = ask(link_pb2.LinkRequest(), timeout=timeout)
+        if not where.port:
             raise ConnectionError(f"the service at {address} names no link port")
-        return cls.connect(host_of(address), port, timeout)
+        return cls.connect(host_of(address), where.port, timeout, where.local_name)
 
     def send(self, message) -> None:
-        """Send a protobuf message (raises ``OSError`` when the connection is gone)."""
-        self.sock.sendall(frame(message))
+        """Send a protobuf message. A peer that has closed the link is seen by the next ``receive``, which first
+        reads what the peer sent before it closed (an error frame: its ``LinkError``, culprit included), as over
+        TCP, where a send into a connection its peer closed succeeds and only the reply tells; a Unix socket
+        refuses the send at once. Raises ``OSError`` for any other failure."""
+        try:
+            self.sock.sendall(frame(message))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # every message is answered, so its receive raises what went wrong
 
     def fail(self, code: str, details: str, culprit: str | None = None) -> None:
         """End the link with an error the peer's ``receive`` raises as ``LinkError``."""
@@ -219,25 +284,32 @@ class Peer:
 
 
 class LinkServer:
-    """Accepts links on ``host:port`` (0: a free port, in ``port``) and hands each, connected and through its
-    TLS handshake (on a thread of its own, so a slow one holds up no other), to ``on_link``."""
+    """Accepts links on ``host:port`` (0: a free port, in ``port``) and on an abstract Unix socket (``local_name``,
+    "" off Linux), and hands each, connected and through its TLS handshake (on a thread of its own, so a slow one
+    holds up no other) or its user checked, to ``on_link``."""
 
     HANDSHAKE_SECONDS = 10.0  # a peer that connects and says nothing does not hold the next one up longer
 
     def __init__(self, host: str, port: int, on_link: Callable[[Link], None], name: str):
         self.listener = socket.create_server((host, port), reuse_port=False)
         self.port = self.listener.getsockname()[1]
+        self.local, self.local_name = local_listener()
         self.on_link = on_link
         self.name = name
         self.context = _tls_context(server=True)
-        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(self.listener,), name=f"{name}-accept", daemon=True).start()
+        if self.local is not None:
+            threading.Thread(target=self._accept, args=(self.local,), name=f"{name}-accept-local", daemon=True).start()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, address = self.listener.accept()
+                sock, address = listener.accept()
             except OSError:
                 return  # closed
+            if sock.family == socket.AF_UNIX:
+                self._admit_local(sock)
+                continue
             threading.Thread(target=self._admit, args=(sock, f"{address[0]}:{address[1]}"),
                              name=f"{self.name}-handshake", daemon=True).start()
 
@@ -252,28 +324,64 @@ class LinkServer:
             return
         self.on_link(Link(sock, peer))
 
+    def _admit_local(self, sock: socket.socket) -> None:
+        try:
+            ours = same_user(sock)
+        except OSError:
+            ours = False
+        if not ours:
+            log.warning("%s link: refused a local peer of another user", self.name)
+            sock.close()
+            return
+        self.on_link(Link(sock, f"local {self.local_name}"))
+
     def close(self) -> None:
         self.listener.close()
+        if self.local is not None:
+            self.local.close()
 
 
 class LinkService:
-    """What a service's gRPC servicer inherits to name its link's port (the ``Link`` call of link.proto)."""
+    """What a service's gRPC servicer inherits to name its link's port and local socket (the ``Link`` call of
+    link.proto)."""
 
-    link_port = 0  # set once the link listens
+    link_port = 0  # set once the link listens (``listening``)
+    link_local_name = ""
+
+    def listening(self, links: LinkServer | LoopLinks) -> None:
+        """Name ``links``' port and local socket from now on."""
+        self.link_port, self.link_local_name = links.port, links.local_name
 
     def Link(self, request, context):
-        return link_pb2.LinkResponse(port=self.link_port)
+        return link_pb2.LinkResponse(port=self.link_port, local_name=self.link_local_name)
+
+
+class LoopLinks:
+    """``serve_on_loop``'s listeners: the TCP one (``port``) and the abstract Unix one (``local_name``)."""
+
+    def __init__(self, servers: list[asyncio.Server], local_name: str):
+        self.servers = servers
+        self.port = servers[0].sockets[0].getsockname()[1]
+        self.local_name = local_name
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
 
 
 async def serve_on_loop(host: str, port: int, parse: Callable[[bytes], object], answer: Callable[[object], object],
-                        name: str) -> asyncio.Server:
-    """Links served on the running event loop (the frontend's): each message parsed with ``parse`` and answered,
-    in order, with ``answer(message)`` (a plain function that must not block the loop). A message that does not
-    parse ends its link with INVALID_ARGUMENT. The server's port: ``server.sockets[0].getsockname()[1]``."""
+                        name: str) -> LoopLinks:
+    """Links served on the running event loop (the frontend's), on ``host:port`` and an abstract Unix socket: each
+    message parsed with ``parse`` and answered, in order, with ``answer(message)`` (a plain function that must not
+    block the loop). A message that does not parse ends its link with INVALID_ARGUMENT."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        keep_alive(writer.get_extra_info("socket"))
+        sock = writer.get_extra_info("socket")
         try:
+            if sock.family == socket.AF_UNIX and not same_user(sock):
+                log.warning("%s link: refused a local peer of another user", name)
+                return
+            keep_alive(sock)
             while True:
                 size, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
                 if size > MAX_MESSAGE_BYTES or kind != MESSAGE:
@@ -298,5 +406,9 @@ async def serve_on_loop(host: str, port: int, parse: Callable[[bytes], object], 
             writer.close()
 
     tls = _tls_context(server=True)
-    return await asyncio.start_server(serve, host, port, ssl=tls,
-                                      ssl_handshake_timeout=LinkServer.HANDSHAKE_SECONDS if tls else None)
+    servers = [await asyncio.start_server(serve, host, port, ssl=tls,
+                                          ssl_handshake_timeout=LinkServer.HANDSHAKE_SECONDS if tls else None)]
+    local, local_name = local_listener()
+    if local is not None:
+        servers.append(await asyncio.start_unix_server(serve, sock=local))
+    return LoopLinks(servers, local_name)

@@ -289,7 +289,7 @@ def serve(cfg: DetokenizerConfig) -> None:
     server = grpc_util.make_server(metrics=metrics)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     service = DetokenizerService(core, schedulers, metrics, cfg.orphan_timeout)
-    service.link_port = LinkServer(cfg.host, cfg.link_port, service.add_link, "push").port
+    service.listening(LinkServer(cfg.host, cfg.link_port, service.add_link, "push"))
     detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(service, server)
     port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()

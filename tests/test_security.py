@@ -21,8 +21,9 @@ from helpers import ROOT, conveyor_command, extra_frontend, start_stack, stop
 from conveyor.client import Client
 from conveyor.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
 from conveyor import grpc_util
-from conveyor.link import HEADER
-from conveyor.v1 import link_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from conveyor.link import HEADER, Link, LinkServer
+from conveyor.v1 import detokenizer_pb2_grpc, frontend_pb2_grpc, link_pb2, scheduler_pb2, scheduler_pb2_grpc
+from conveyor.v1 import worker_pb2, worker_pb2_grpc
 
 KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-9876543210ab"}
 CHAT = [{"role": "user", "content": "Count from one to fifty in words."}]
@@ -205,6 +206,78 @@ def test_internal_services_with_mutual_tls_refuse_peers_without_a_certificate(ce
             assert c.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
     finally:
         s.stop()
+
+
+def _local_links(stack) -> dict[str, str]:
+    """Each service's abstract link socket, as its ``Link`` call names it (asked with the internal certificates)."""
+    stubs = {"worker": worker_pb2_grpc.WorkerStub, "detokenizer": detokenizer_pb2_grpc.DetokenizerStub,
+             "frontend": frontend_pb2_grpc.FrontendStub}
+    names = {}
+    for name, stub in stubs.items():
+        with stack.channel(name) as channel:
+            names[name] = stub(channel).Link(link_pb2.LinkRequest(), timeout=10).local_name
+    return names
+
+
+def _connected_unix_names() -> set[str]:
+    """The abstract names of this host's connected Unix sockets (/proc/net/unix: an accepted connection shows the
+    name of the socket it was accepted on; state 03 is connected)."""
+    names = set()
+    for line in open("/proc/net/unix").read().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[5] == "03" and fields[7].startswith("@"):
+            names.add(fields[7][1:])
+    return names
+
+
+def test_the_stacks_links_go_over_local_sockets_on_one_host(stack):
+    """The scheduler's link to the worker and to the detokenizer, and the detokenizer's to the frontend, are
+    connections to the abstract Unix sockets their receivers name (not TCP with TLS)."""
+    with Client(stack.endpoint, timeout=120) as c:  # every link has been dialled once a token is delivered
+        assert c.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
+    names = _local_links(stack)
+    assert all(name.startswith("conveyor-link-") for name in names.values()), names
+    assert set(names.values()) <= _connected_unix_names()
+
+
+def test_a_link_takes_tcp_where_the_local_socket_cannot_be_reached():
+    """A caller in another network namespace (another host or container) finds no such socket: it dials TCP."""
+    server = LinkServer("127.0.0.1", 0, lambda link: None, "test")
+    try:
+        assert server.local_name
+        local = Link.connect("127.0.0.1", server.port, local_name=server.local_name)
+        assert local.sock.family == socket.AF_UNIX
+        remote = Link.connect("127.0.0.1", server.port, local_name="conveyor-link-" + "0" * 32)  # nobody's
+        assert remote.sock.family == socket.AF_INET
+        local.close()
+        remote.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a peer as another user takes root")
+def test_a_local_link_socket_refuses_a_peer_of_another_user(stack):
+    """Without TLS on the local socket, the user is the credential: a process of another user that learned the
+    worker's socket name gets its connection closed without an answer, and the engine's own link goes on."""
+    local = _local_links(stack)["worker"]
+    step = worker_pb2.StepRequest(step_id=1, free_all=True).SerializeToString()
+    step = HEADER.pack(len(step), 0) + step  # a step that would make the worker forget every sequence
+    peer = ("import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+            "s.settimeout(10)\n"
+            f"s.connect('\\0' + {local!r})\n"
+            f"s.sendall({step!r})\n"
+            "try:\n"
+            "    got = s.recv(64)\n"
+            "except OSError:\n"
+            "    got = b''\n"
+            "sys.stdout.write(repr(got))\n")
+    done = subprocess.run(["python3", "-c", peer], user=65534, group=65534, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "b''"  # closed without an answer
+    with Client(stack.endpoint, timeout=120) as c:
+        assert c.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
 
 
 # ---------------------------------------------------------------- secrets stay out of help, command lines and files

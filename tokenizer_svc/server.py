@@ -437,7 +437,7 @@ async def _serve(cfg: FrontendConfig) -> None:
     delivered = FrontendService(frontend)
     links = await serve_on_loop(cfg.internal_host, cfg.link_port, frontend_pb2.DeltaBatch.FromString,
                                 delivered.deliver, "deliver")
-    delivered.link_port = links.sockets[0].getsockname()[1]
+    delivered.listening(links)
     frontend_pb2_grpc.add_FrontendServicer_to_server(delivered, internal)
     internal_port = grpc_util.bind_internal(internal, cfg.internal_host, cfg.internal_port)
     # beyond max_streams calls at once, gRPC answers RESOURCE_EXHAUSTED instead of queueing them unseen

@@ -308,7 +308,7 @@ def serve(cfg: WorkerConfig) -> None:
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     service = WorkerService(runner, info, metrics, model)
     links = LinkServer(cfg.host, cfg.link_port, service.add_link, "step")
-    service.link_port = links.port
+    service.listening(links)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     port = grpc_util.bind_internal(server, cfg.host, cfg.port)
     server.start()

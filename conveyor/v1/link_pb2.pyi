@@ -9,7 +9,9 @@ class LinkRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LinkResponse(_message.Message):
-    __slots__ = ("port",)
+    __slots__ = ("port", "local_name")
     PORT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_NAME_FIELD_NUMBER: _ClassVar[int]
     port: int
-    def __init__(self, port: _Optional[int] = ...) -> None: ...
+    local_name: str
+    def __init__(self, port: _Optional[int] = ..., local_name: _Optional[str] = ...) -> None: ...
