@@ -255,6 +255,31 @@ def test_a_link_takes_tcp_where_the_local_socket_cannot_be_reached():
         server.close()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a service as another user takes root")
+def test_a_local_link_socket_of_another_user_is_passed_over_for_tcp():
+    """Two containers of one pod share a network namespace but may run as two users: a caller finds the other's
+    local socket, sees it is not its user's (which would refuse it), and dials TCP instead."""
+    local_name = "conveyor-link-test-" + os.urandom(8).hex()
+    holder = ("import socket, sys\n"  # another user's process holding the socket
+              "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+              f"s.bind('\\0' + {local_name!r})\n"
+              "s.listen()\n"
+              "print('listening', flush=True)\n"
+              "sys.stdin.read()\n")
+    other = subprocess.Popen(["python3", "-c", holder], user=65534, group=65534, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    server = LinkServer("127.0.0.1", 0, lambda link: None, "test")  # the service's TCP port
+    try:
+        assert other.stdout.readline().strip() == "listening"
+        link = Link.connect("127.0.0.1", server.port, local_name=local_name)
+        assert link.sock.family == socket.AF_INET
+        link.close()
+    finally:
+        server.close()
+        other.kill()
+        other.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a peer as another user takes root")
 def test_a_local_link_socket_refuses_a_peer_of_another_user(stack):
     """Without TLS on the local socket, the user is the credential: a process of another user that learned the
