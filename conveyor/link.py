@@ -81,13 +81,19 @@ def keep_alive(sock: socket.socket) -> None:
 
 
 def local_listener() -> tuple[socket.socket, str] | tuple[None, str]:
-    """A listening abstract Unix socket of a new random name, and the name (None and "" off Linux)."""
+    """A listening abstract Unix socket of a new random name, and the name (None and "" off Linux, or where a
+    sandbox forbids it: the service then takes links over TCP alone)."""
     if not LOCAL:
         return None, ""
     name = f"conveyor-link-{secrets.token_hex(16)}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind("\0" + name)
-    listener.listen()
+    try:
+        listener.bind("\0" + name)
+        listener.listen()
+    except OSError as exc:
+        listener.close()
+        log.warning("no local link socket (%s); links go over TCP", exc)
+        return None, ""
     return listener, name
 
 

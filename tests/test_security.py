@@ -255,6 +255,28 @@ def test_a_link_takes_tcp_where_the_local_socket_cannot_be_reached():
         server.close()
 
 
+def test_a_service_where_local_sockets_are_forbidden_takes_links_over_tcp(monkeypatch):
+    """A sandbox that refuses an abstract Unix socket (an injected EPERM on bind) leaves the service its TCP port:
+    it names no local socket, and a caller dials TCP."""
+    import conveyor.link as link_module
+
+    class NoLocal(socket.socket):
+        def bind(self, address):
+            if self.family == socket.AF_UNIX:
+                raise PermissionError(1, "Operation not permitted")
+            return super().bind(address)
+
+    monkeypatch.setattr(link_module.socket, "socket", NoLocal)
+    server = LinkServer("127.0.0.1", 0, lambda link: None, "test")
+    try:
+        assert server.local_name == ""
+        link = Link.connect("127.0.0.1", server.port, local_name=server.local_name)
+        assert link.sock.family == socket.AF_INET
+        link.close()
+    finally:
+        server.close()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a service as another user takes root")
 def test_a_local_link_socket_of_another_user_is_passed_over_for_tcp():
     """Two containers of one pod share a network namespace but may run as two users: a caller finds the other's
