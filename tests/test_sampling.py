@@ -197,6 +197,21 @@ def test_logprobs_are_computed_only_for_the_rows_that_ask():
     assert results[2].logprob == pytest.approx(expected[2], abs=1e-6) and len(results[2].top_logprobs) == 2
 
 
+def test_a_rows_logprobs_do_not_depend_on_how_many_rows_ask_for_them():
+    """The log-probabilities of a row asked alone are bit for bit those of the same row among others that ask (a
+    vocabulary as large as the default model's, where PyTorch's reductions split a lone row over threads)."""
+    generator = torch.Generator().manual_seed(5)
+    differs = 0
+    for _ in range(100):
+        logits = torch.randn(3, 49152, generator=generator) * 3.0
+        rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=2), [], []) for _ in range(3)]
+        alone = sample(logits[:1].clone(), rows[:1])[0]
+        together = sample(logits.clone(), rows)[0]
+        assert alone.token_id == together.token_id
+        differs += (alone.logprob, alone.top_logprobs) != (together.logprob, together.top_logprobs)
+    assert differs == 0
+
+
 def _truncate_by_definition(logits, top_k, top_p, min_p):
     """The filters as defined, one after another over the whole vocabulary (the oracle)."""
     if min_p > 0.0:

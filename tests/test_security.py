@@ -312,9 +312,9 @@ def test_a_local_link_socket_refuses_a_peer_of_another_user(stack):
     peer = ("import socket, sys\n"
             "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
             "s.settimeout(10)\n"
-            f"s.connect('\\0' + {local!r})\n"
-            f"s.sendall({step!r})\n"
-            "try:\n"
+            f"s.connect('\\0' + {local!r})\n"  # it reaches the socket (the kernel queues the connection)
+            "try:\n"  # and is closed, before or after its step
+            f"    s.sendall({step!r})\n"
             "    got = s.recv(64)\n"
             "except OSError:\n"
             "    got = b''\n"

@@ -268,7 +268,10 @@ def _to_host(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> 
     want_top = max(rows[i].params.logprobs for i in asking)
     parts = [tokens.double()]  # ids are exact in float64; one tensor, one copy
     picked = raw[asking]
-    log_norm = torch.logsumexp(picked, dim=-1, keepdim=True)  # logprob = raw logit - log_norm
+    # logprob = raw logit - log_norm, with a row's log_norm the same whatever else asks: PyTorch sums a lone row in
+    # halves on two threads and each of several rows in one pass, which round differently (4 % of random rows of
+    # 49,152), so a lone row is reduced as one of two (a view: no copy)
+    log_norm = torch.logsumexp(picked if len(asking) > 1 else picked.expand(2, -1), dim=-1, keepdim=True)[: len(asking)]
     parts.append((picked.gather(1, tokens[asking].unsqueeze(1)) - log_norm).flatten().double())
     if want_top:
         top = torch.topk(picked, want_top, dim=-1)
