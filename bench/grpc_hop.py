@@ -52,7 +52,7 @@ def answer(batch, every: int):
 
 def serve(kind: str, port: int, every: int, name_file: str) -> None:
     """The server side, in its own process: ``kind`` threads | aio (gRPC) or link | link-aio (which write their
-    local socket's name to ``name_file``)."""
+    local socket's name and key to ``name_file``)."""
     if kind == "threads":
         def push(request_iterator, context):
             for batch in request_iterator:
@@ -76,7 +76,7 @@ def serve(kind: str, port: int, every: int, name_file: str) -> None:
 
         links = LinkServer("127.0.0.1", port,
                            lambda link: threading.Thread(target=run, args=(link,), daemon=True).start(), "hop")
-        Path(name_file).write_text(links.local_name)
+        Path(name_file).write_text(f"{links.local_name} {links.local_key.hex()}")
         threading.Event().wait()
     else:
         asyncio.run(_serve_aio(kind, port, every, name_file))
@@ -90,7 +90,7 @@ def _handler(push: Callable) -> grpc.GenericRpcHandler:
 async def _serve_aio(kind: str, port: int, every: int, name_file: str) -> None:
     if kind == "link-aio":  # every message is answered there (the frontend's deltas are)
         links = await serve_on_loop("127.0.0.1", port, BATCH.FromString, lambda batch: ANSWER(step=batch.step), "hop")
-        Path(name_file).write_text(links.local_name)
+        Path(name_file).write_text(f"{links.local_name} {links.local_key.hex()}")
         await asyncio.Event().wait()
 
     async def push(request_iterator, context):
@@ -180,8 +180,8 @@ class LinkStream:
     """``send``/``receive`` on a link, both on the caller's thread (as the scheduler's): to its local socket
     ``local_name``, or over TCP ("")."""
 
-    def __init__(self, port: int, local_name: str = ""):
-        self.link = Link.connect("127.0.0.1", port, timeout=30, local_name=local_name)
+    def __init__(self, port: int, local_name: str = "", local_key: bytes = b""):
+        self.link = Link.connect("127.0.0.1", port, timeout=30, local_name=local_name, local_key=local_key)
 
     def send(self, message) -> None:
         self.link.send(message)
@@ -200,9 +200,9 @@ def connect(client_kind: str, port: int, name_file: Path):
             if client_kind == "link":
                 return LinkStream(port)
             if client_kind == "local":  # the name is written once both sockets listen
-                if not (name := name_file.read_text() if name_file.exists() else ""):
+                if not (written := name_file.read_text().split() if name_file.exists() else []):
                     raise OSError("the server names no local socket yet")
-                return LinkStream(port, name)
+                return LinkStream(port, written[0], bytes.fromhex(written[1]))
             address = f"127.0.0.1:{port}"
             channel = grpc.insecure_channel(address)
             grpc.channel_ready_future(channel).result(timeout=30)

@@ -8,8 +8,9 @@ Everything else (health, reflection, the ``Link`` call that names the port) stay
 
 A service listens twice: on its TCP port, and (on Linux) on an abstract Unix socket of a random name. A caller
 in the same network namespace (the same host under ``conveyor up``, the same pod) connects to the socket and
-skips TLS: the kernel tells each end the other's user (``SO_PEERCRED``), and a peer that is not this process's
-user is refused, which is what guards the certificates' files too. TLS over the loopback cost more CPU than
+skips TLS: the kernel tells each end the other's user (``SO_PEERCRED``), a peer that is not this process's user
+is refused, and the caller first sends the socket's key, which only the ``Link`` call's answer holds (under
+internal TLS only holders of the certificates can make that call), so the socket admits whom TCP would. TLS over the loopback cost more CPU than
 anything else on a link (Python's ``ssl`` a message each way, asyncio's pure-Python TLS on the frontend's event
 loop): at one stream the pipeline spent about twice the CPU a token with it (``bench/pipeline_ceiling.py``). A
 caller elsewhere finds no such socket and takes TCP, with TLS when the certificates are set.
@@ -18,6 +19,7 @@ caller elsewhere finds no such socket and takes TCP, with TLS when the certifica
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -39,6 +41,7 @@ HEADER = struct.Struct("<IB")
 MESSAGE, ERROR = 0, 1
 LOCAL = sys.platform == "linux"  # abstract Unix sockets are Linux's
 PEER_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's struct ucred: pid, uid, gid
+KEY_BYTES = 16  # the local socket's key, which a caller sends first
 
 
 def frame(message, kind: int = MESSAGE) -> bytes:
@@ -80,21 +83,44 @@ def keep_alive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def local_listener() -> tuple[socket.socket, str] | tuple[None, str]:
-    """A listening abstract Unix socket of a new random name, and the name (None and "" off Linux, or where a
-    sandbox forbids it: the service then takes links over TCP alone)."""
-    if not LOCAL:
-        return None, ""
-    name = f"conveyor-link-{secrets.token_hex(16)}"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind("\0" + name)
-        listener.listen()
-    except OSError as exc:
-        listener.close()
-        log.warning("no local link socket (%s); links go over TCP", exc)
-        return None, ""
-    return listener, name
+class LocalSocket:
+    """A listening abstract Unix socket of a new random ``name`` and its ``key`` (None, "" and b"" off Linux, or
+    where a sandbox forbids it: the service then takes links over TCP alone). A caller must run as this process's
+    user and send the key first: the name shows in /proc/net/unix, the key only in the answer to the ``Link`` call,
+    which under internal TLS only a holder of the certificates can make, so the socket admits whom TCP would."""
+
+    def __init__(self):
+        self.listener: socket.socket | None = None
+        self.name, self.key = "", b""
+        if not LOCAL:
+            return
+        name = f"conveyor-link-{secrets.token_hex(16)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + name)
+            listener.listen()
+        except OSError as exc:
+            listener.close()
+            log.warning("no local link socket (%s); links go over TCP", exc)
+            return
+        self.listener, self.name, self.key = listener, name, secrets.token_bytes(KEY_BYTES)
+
+    def admits(self, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.key)
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+
+
+def fill(sock: socket.socket, buffer: bytearray, peer: str) -> None:
+    """Read exactly ``len(buffer)`` bytes into it; ``ConnectionError`` when the peer closes first."""
+    view = memoryview(buffer)
+    while view:
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError(f"{peer} closed the link")
+        view = view[got:]
 
 
 def same_user(sock: socket.socket) -> bool:
@@ -104,10 +130,10 @@ def same_user(sock: socket.socket) -> bool:
     return uid == os.geteuid()
 
 
-def connect_local(name: str, timeout: float) -> socket.socket | None:
-    """A connection to the abstract Unix socket ``name``, or None where it cannot be reached (another network
-    namespace: another host or container) or it is held by another user (two containers of one pod may run as
-    two users: the service would refuse this process there too), so the caller takes TCP."""
+def connect_local(name: str, key: bytes, timeout: float) -> socket.socket | None:
+    """A connection to the abstract Unix socket ``name``, its ``key`` sent, or None where it cannot be reached
+    (another network namespace: another host or container) or it is held by another user (two containers of one
+    pod may run as two users: the service would refuse this process there too), so the caller takes TCP."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -121,6 +147,11 @@ def connect_local(name: str, timeout: float) -> socket.socket | None:
     if not same_user(sock):
         sock.close()
         return None
+    try:
+        sock.sendall(key)
+    except BaseException:
+        sock.close()
+        raise
     sock.settimeout(None)
     return sock
 
@@ -147,11 +178,11 @@ class Link:
         self._header = bytearray(HEADER.size)
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float = 5.0, local_name: str = "") -> Link:
-        """A link to the abstract Unix socket ``local_name`` where it can be reached, else to ``host:port`` (over
-        mutual TLS when the internal certificates are set)."""
+    def connect(cls, host: str, port: int, timeout: float = 5.0, local_name: str = "", local_key: bytes = b"") -> Link:
+        """A link to the abstract Unix socket ``local_name`` (sending its ``local_key``) where it can be reached,
+        else to ``host:port`` (over mutual TLS when the internal certificates are set)."""
         if local_name and LOCAL:
-            sock = connect_local(local_name, timeout)
+            sock = connect_local(local_name, local_key, timeout)
             if sock is not None:
                 return cls(sock, f"{host}:{port} (local)")
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -172,7 +203,7 @@ class Link:
         where = ask(link_pb2.LinkRequest(), timeout=timeout)
         if not where.port:
             raise ConnectionError(f"the service at {address} names no link port")
-        return cls.connect(host_of(address), where.port, timeout, where.local_name)
+        return cls.connect(host_of(address), where.port, timeout, where.local_name, where.local_key)
 
     def send(self, message) -> None:
         """Send a protobuf message. A peer that has closed the link is seen by the next ``receive``, which first
@@ -241,12 +272,7 @@ class Link:
             self.close()
 
     def _read_into(self, buffer: bytearray) -> None:
-        view = memoryview(buffer)
-        while view:
-            got = self.sock.recv_into(view)
-            if not got:
-                raise ConnectionError(f"{self.peer} closed the link")
-            view = view[got:]
+        fill(self.sock, buffer, self.peer)
 
     def interrupt(self) -> None:
         """Wake a thread blocked in ``receive`` on this link (from another thread): it raises ``ConnectionError``."""
@@ -300,13 +326,15 @@ class LinkServer:
     def __init__(self, host: str, port: int, on_link: Callable[[Link], None], name: str):
         self.listener = socket.create_server((host, port), reuse_port=False)
         self.port = self.listener.getsockname()[1]
-        self.local, self.local_name = local_listener()
+        self.local = LocalSocket()
+        self.local_name, self.local_key = self.local.name, self.local.key
         self.on_link = on_link
         self.name = name
         self.context = _tls_context(server=True)
         threading.Thread(target=self._accept, args=(self.listener,), name=f"{name}-accept", daemon=True).start()
-        if self.local is not None:
-            threading.Thread(target=self._accept, args=(self.local,), name=f"{name}-accept-local", daemon=True).start()
+        if self.local.listener is not None:
+            threading.Thread(target=self._accept, args=(self.local.listener,), name=f"{name}-accept-local",
+                             daemon=True).start()
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -315,7 +343,8 @@ class LinkServer:
             except OSError:
                 return  # closed
             if sock.family == socket.AF_UNIX:
-                self._admit_local(sock)
+                threading.Thread(target=self._admit_local, args=(sock,), name=f"{self.name}-handshake",
+                                 daemon=True).start()
                 continue
             threading.Thread(target=self._admit, args=(sock, f"{address[0]}:{address[1]}"),
                              name=f"{self.name}-handshake", daemon=True).start()
@@ -334,18 +363,23 @@ class LinkServer:
     def _admit_local(self, sock: socket.socket) -> None:
         try:
             ours = same_user(sock)
-        except OSError:
+            if ours:
+                sock.settimeout(self.HANDSHAKE_SECONDS)
+                key = bytearray(KEY_BYTES)
+                fill(sock, key, f"local {self.local_name}")
+                ours = self.local.admits(bytes(key))
+                sock.settimeout(None)
+        except (OSError, ConnectionError):
             ours = False
         if not ours:
-            log.warning("%s link: refused a local peer of another user", self.name)
+            log.warning("%s link: refused a local peer (another user, or without the key)", self.name)
             sock.close()
             return
         self.on_link(Link(sock, f"local {self.local_name}"))
 
     def close(self) -> None:
         self.listener.close()
-        if self.local is not None:
-            self.local.close()
+        self.local.close()
 
 
 class LinkService:
@@ -353,23 +387,25 @@ class LinkService:
     link.proto)."""
 
     link_port = 0  # set once the link listens (``listening``)
-    link_local_name = ""
+    link_local_name, link_local_key = "", b""
 
     def listening(self, links: LinkServer | LoopLinks) -> None:
-        """Name ``links``' port and local socket from now on."""
-        self.link_port, self.link_local_name = links.port, links.local_name
+        """Name ``links``' port and local socket (and its key) from now on."""
+        self.link_port, self.link_local_name, self.link_local_key = links.port, links.local_name, links.local_key
 
     def Link(self, request, context):
-        return link_pb2.LinkResponse(port=self.link_port, local_name=self.link_local_name)
+        return link_pb2.LinkResponse(port=self.link_port, local_name=self.link_local_name,
+                                     local_key=self.link_local_key)
 
 
 class LoopLinks:
-    """``serve_on_loop``'s listeners: the TCP one (``port``) and the abstract Unix one (``local_name``)."""
+    """``serve_on_loop``'s listeners: the TCP one (``port``) and the abstract Unix one (``local_name``, whose
+    callers send ``local_key`` first)."""
 
-    def __init__(self, servers: list[asyncio.Server], local_name: str):
+    def __init__(self, servers: list[asyncio.Server], local: LocalSocket):
         self.servers = servers
         self.port = servers[0].sockets[0].getsockname()[1]
-        self.local_name = local_name
+        self.local_name, self.local_key = local.name, local.key
 
     def close(self) -> None:
         for server in self.servers:
@@ -382,11 +418,15 @@ async def serve_on_loop(host: str, port: int, parse: Callable[[bytes], object], 
     message parsed with ``parse`` and answered, in order, with ``answer(message)`` (a plain function that must not
     block the loop). A message that does not parse ends its link with INVALID_ARGUMENT."""
 
+    local = LocalSocket()
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         try:
-            if sock.family == socket.AF_UNIX and not same_user(sock):
-                log.warning("%s link: refused a local peer of another user", name)
+            if sock.family == socket.AF_UNIX and not (
+                    same_user(sock) and local.admits(await asyncio.wait_for(
+                        reader.readexactly(KEY_BYTES), LinkServer.HANDSHAKE_SECONDS))):
+                log.warning("%s link: refused a local peer (another user, or without the key)", name)
                 return
             keep_alive(sock)
             while True:
@@ -403,8 +443,8 @@ async def serve_on_loop(host: str, port: int, parse: Callable[[bytes], object], 
                     break
                 writer.write(frame(answer(message)))
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
-            pass  # the peer went away
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, TimeoutError):
+            pass  # the peer went away (or said nothing in time)
         except asyncio.CancelledError:
             pass  # the loop is shutting down: this task is the link's whole life, nothing above it waits
         except Exception:  # noqa: BLE001 - a bug in answer: this link ends, the others go on
@@ -415,7 +455,6 @@ async def serve_on_loop(host: str, port: int, parse: Callable[[bytes], object], 
     tls = _tls_context(server=True)
     servers = [await asyncio.start_server(serve, host, port, ssl=tls,
                                           ssl_handshake_timeout=LinkServer.HANDSHAKE_SECONDS if tls else None)]
-    local, local_name = local_listener()
-    if local is not None:
-        servers.append(await asyncio.start_unix_server(serve, sock=local))
-    return LoopLinks(servers, local_name)
+    if local.listener is not None:
+        servers.append(await asyncio.start_unix_server(serve, sock=local.listener))
+    return LoopLinks(servers, local)

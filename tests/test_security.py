@@ -21,8 +21,8 @@ from helpers import ROOT, conveyor_command, extra_frontend, start_stack, stop
 from conveyor.client import Client
 from conveyor.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
 from conveyor import grpc_util
-from conveyor.link import HEADER, Link, LinkServer
-from conveyor.v1 import detokenizer_pb2_grpc, frontend_pb2_grpc, link_pb2, scheduler_pb2, scheduler_pb2_grpc
+from conveyor.link import HEADER, KEY_BYTES, Link, LinkServer, frame
+from conveyor.v1 import detokenizer_pb2_grpc, frontend_pb2, frontend_pb2_grpc, link_pb2, scheduler_pb2, scheduler_pb2_grpc
 from conveyor.v1 import worker_pb2, worker_pb2_grpc
 
 KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-9876543210ab"}
@@ -240,12 +240,32 @@ def test_the_stacks_links_go_over_local_sockets_on_one_host(stack):
     assert set(names.values()) <= _connected_unix_names()
 
 
+def test_a_local_link_socket_refuses_a_caller_without_its_key(stack):
+    """The socket's name shows in /proc/net/unix; its key comes only with the Link call's answer (made over mutual
+    TLS). A process of the same user that found the name and sends a wrong key and then a well-formed message (a
+    step that would make the worker forget every sequence; an empty batch of deltas) is closed without an answer, on
+    the worker's thread-served socket and the frontend's event-loop one alike."""
+    messages = {"worker": worker_pb2.StepRequest(step_id=1, free_all=True), "frontend": frontend_pb2.DeltaBatch()}
+    for service, message in messages.items():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(30)
+            sock.connect("\0" + _local_links(stack)[service])
+            try:
+                sock.sendall(bytes(KEY_BYTES) + frame(message))
+                got = sock.recv(64)
+            except OSError:
+                got = b""
+        assert got == b"", service
+    with Client(stack.endpoint, timeout=120) as c:  # the engine's own links were not disturbed
+        assert c.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
+
+
 def test_a_link_takes_tcp_where_the_local_socket_cannot_be_reached():
     """A caller in another network namespace (another host or container) finds no such socket: it dials TCP."""
     server = LinkServer("127.0.0.1", 0, lambda link: None, "test")
     try:
         assert server.local_name
-        local = Link.connect("127.0.0.1", server.port, local_name=server.local_name)
+        local = Link.connect("127.0.0.1", server.port, local_name=server.local_name, local_key=server.local_key)
         assert local.sock.family == socket.AF_UNIX
         remote = Link.connect("127.0.0.1", server.port, local_name="conveyor-link-" + "0" * 32)  # nobody's
         assert remote.sock.family == socket.AF_INET

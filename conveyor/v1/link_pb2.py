@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63onveyor/v1/link.proto\x12\x0b\x63onveyor.v1\"\r\n\x0bLinkRequest\"0\n\x0cLinkResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x12\n\nlocal_name\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63onveyor/v1/link.proto\x12\x0b\x63onveyor.v1\"\r\n\x0bLinkRequest\"C\n\x0cLinkResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x12\n\nlocal_name\x18\x02 \x01(\t\x12\x11\n\tlocal_key\x18\x03 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,5 +34,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LINKREQUEST']._serialized_start=39
   _globals['_LINKREQUEST']._serialized_end=52
   _globals['_LINKRESPONSE']._serialized_start=54
-  _globals['_LINKRESPONSE']._serialized_end=102
+  _globals['_LINKRESPONSE']._serialized_end=121
 # @@protoc_insertion_point(module_scope)

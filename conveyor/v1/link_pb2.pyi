@@ -9,9 +9,11 @@ class LinkRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LinkResponse(_message.Message):
-    __slots__ = ("port", "local_name")
+    __slots__ = ("port", "local_name", "local_key")
     PORT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_NAME_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_KEY_FIELD_NUMBER: _ClassVar[int]
     port: int
     local_name: str
-    def __init__(self, port: _Optional[int] = ..., local_name: _Optional[str] = ...) -> None: ...
+    local_key: bytes
+    def __init__(self, port: _Optional[int] = ..., local_name: _Optional[str] = ..., local_key: _Optional[bytes] = ...) -> None: ...
