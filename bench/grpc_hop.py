@@ -76,7 +76,7 @@ def serve(kind: str, port: int, every: int, name_file: str) -> None:
 
         links = LinkServer("127.0.0.1", port,
                            lambda link: threading.Thread(target=run, args=(link,), daemon=True).start(), "hop")
-        Path(name_file).write_text(f"{links.local_name} {links.local_key.hex()}")
+        Path(name_file).write_text(f"{links.local.name} {links.local.key.hex()}")
         threading.Event().wait()
     else:
         asyncio.run(_serve_aio(kind, port, every, name_file))
@@ -90,7 +90,7 @@ def _handler(push: Callable) -> grpc.GenericRpcHandler:
 async def _serve_aio(kind: str, port: int, every: int, name_file: str) -> None:
     if kind == "link-aio":  # every message is answered there (the frontend's deltas are)
         links = await serve_on_loop("127.0.0.1", port, BATCH.FromString, lambda batch: ANSWER(step=batch.step), "hop")
-        Path(name_file).write_text(f"{links.local_name} {links.local_key.hex()}")
+        Path(name_file).write_text(f"{links.local.name} {links.local.key.hex()}")
         await asyncio.Event().wait()
 
     async def push(request_iterator, context):

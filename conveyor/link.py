@@ -10,10 +10,11 @@ A service listens twice: on its TCP port, and (on Linux) on an abstract Unix soc
 in the same network namespace (the same host under ``conveyor up``, the same pod) connects to the socket and
 skips TLS: the kernel tells each end the other's user (``SO_PEERCRED``), a peer that is not this process's user
 is refused, and the caller first sends the socket's key, which only the ``Link`` call's answer holds (under
-internal TLS only holders of the certificates can make that call), so the socket admits whom TCP would. TLS over the loopback cost more CPU than
-anything else on a link (Python's ``ssl`` a message each way, asyncio's pure-Python TLS on the frontend's event
-loop): at one stream the pipeline spent about twice the CPU a token with it (``bench/pipeline_ceiling.py``). A
-caller elsewhere finds no such socket and takes TCP, with TLS when the certificates are set.
+internal TLS only holders of the certificates can make that call), so the socket admits whom TCP would. TLS
+over the loopback cost more CPU than anything else on a link (Python's ``ssl`` a message each way, asyncio's
+pure-Python TLS on the frontend's event loop): at one stream the pipeline spent about twice the CPU a token with
+it (``bench/pipeline_ceiling.py``). A caller elsewhere finds no such socket and takes TCP, with TLS when the
+certificates are set.
 """
 
 from __future__ import annotations
@@ -138,17 +139,13 @@ def connect_local(name: str, key: bytes, timeout: float) -> socket.socket | None
     try:
         sock.settimeout(timeout)
         sock.connect("\0" + name)
+        if not same_user(sock):
+            sock.close()
+            return None
+        sock.sendall(key)
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
-    except BaseException:
-        sock.close()
-        raise
-    if not same_user(sock):
-        sock.close()
-        return None
-    try:
-        sock.sendall(key)
     except BaseException:
         sock.close()
         raise
@@ -317,9 +314,9 @@ class Peer:
 
 
 class LinkServer:
-    """Accepts links on ``host:port`` (0: a free port, in ``port``) and on an abstract Unix socket (``local_name``,
-    "" off Linux), and hands each, connected and through its TLS handshake (on a thread of its own, so a slow one
-    holds up no other) or its user checked, to ``on_link``."""
+    """Accepts links on ``host:port`` (0: a free port, in ``port``) and on an abstract Unix socket (``local``), and
+    hands each, connected and through its TLS handshake or its user and key checked (on a thread of its own, so a
+    slow one holds up no other), to ``on_link``."""
 
     HANDSHAKE_SECONDS = 10.0  # a peer that connects and says nothing does not hold the next one up longer
 
@@ -327,7 +324,6 @@ class LinkServer:
         self.listener = socket.create_server((host, port), reuse_port=False)
         self.port = self.listener.getsockname()[1]
         self.local = LocalSocket()
-        self.local_name, self.local_key = self.local.name, self.local.key
         self.on_link = on_link
         self.name = name
         self.context = _tls_context(server=True)
@@ -366,16 +362,16 @@ class LinkServer:
             if ours:
                 sock.settimeout(self.HANDSHAKE_SECONDS)
                 key = bytearray(KEY_BYTES)
-                fill(sock, key, f"local {self.local_name}")
+                fill(sock, key, f"local {self.local.name}")
                 ours = self.local.admits(bytes(key))
                 sock.settimeout(None)
-        except (OSError, ConnectionError):
+        except OSError:  # ConnectionError and timeouts too
             ours = False
         if not ours:
             log.warning("%s link: refused a local peer (another user, or without the key)", self.name)
             sock.close()
             return
-        self.on_link(Link(sock, f"local {self.local_name}"))
+        self.on_link(Link(sock, f"local {self.local.name}"))
 
     def close(self) -> None:
         self.listener.close()
@@ -386,26 +382,30 @@ class LinkService:
     """What a service's gRPC servicer inherits to name its link's port and local socket (the ``Link`` call of
     link.proto)."""
 
-    link_port = 0  # set once the link listens (``listening``)
-    link_local_name, link_local_key = "", b""
+    link_server: LinkServer | LoopLinks | None = None  # set once the link listens (``listening``)
 
     def listening(self, links: LinkServer | LoopLinks) -> None:
         """Name ``links``' port and local socket (and its key) from now on."""
-        self.link_port, self.link_local_name, self.link_local_key = links.port, links.local_name, links.local_key
+        self.link_server = links
+
+    @property
+    def link_port(self) -> int:
+        return self.link_server.port if self.link_server is not None else 0
 
     def Link(self, request, context):
-        return link_pb2.LinkResponse(port=self.link_port, local_name=self.link_local_name,
-                                     local_key=self.link_local_key)
+        if self.link_server is None:
+            return link_pb2.LinkResponse()  # no port yet: the caller is told so
+        local = self.link_server.local
+        return link_pb2.LinkResponse(port=self.link_server.port, local_name=local.name, local_key=local.key)
 
 
 class LoopLinks:
-    """``serve_on_loop``'s listeners: the TCP one (``port``) and the abstract Unix one (``local_name``, whose
-    callers send ``local_key`` first)."""
+    """``serve_on_loop``'s listeners: the TCP one (``port``) and the abstract Unix one (``local``)."""
 
     def __init__(self, servers: list[asyncio.Server], local: LocalSocket):
         self.servers = servers
         self.port = servers[0].sockets[0].getsockname()[1]
-        self.local_name, self.local_key = local.name, local.key
+        self.local = local
 
     def close(self) -> None:
         for server in self.servers:

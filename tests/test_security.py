@@ -264,8 +264,8 @@ def test_a_link_takes_tcp_where_the_local_socket_cannot_be_reached():
     """A caller in another network namespace (another host or container) finds no such socket: it dials TCP."""
     server = LinkServer("127.0.0.1", 0, lambda link: None, "test")
     try:
-        assert server.local_name
-        local = Link.connect("127.0.0.1", server.port, local_name=server.local_name, local_key=server.local_key)
+        assert server.local.name
+        local = Link.connect("127.0.0.1", server.port, local_name=server.local.name, local_key=server.local.key)
         assert local.sock.family == socket.AF_UNIX
         remote = Link.connect("127.0.0.1", server.port, local_name="conveyor-link-" + "0" * 32)  # nobody's
         assert remote.sock.family == socket.AF_INET
@@ -289,8 +289,8 @@ def test_a_service_where_local_sockets_are_forbidden_takes_links_over_tcp(monkey
     monkeypatch.setattr(link_module.socket, "socket", NoLocal)
     server = LinkServer("127.0.0.1", 0, lambda link: None, "test")
     try:
-        assert server.local_name == ""
-        link = Link.connect("127.0.0.1", server.port, local_name=server.local_name)
+        assert server.local.name == ""
+        link = Link.connect("127.0.0.1", server.port, local_name=server.local.name)
         assert link.sock.family == socket.AF_INET
         link.close()
     finally:
