@@ -170,6 +170,28 @@ def test_malformed_step_is_rejected_and_leaves_others_intact(default_model, prom
     assert _continue(runner, "a", first, pos, 8) == _continue(reference, "a", first, pos, 8)
 
 
+def test_a_step_that_fails_in_its_forward_leaves_every_sequence_as_it_was(default_model, prompts, monkeypatch):
+    runner = make_runner(default_model, num_blocks=64)
+    reference = make_runner(default_model, num_blocks=64)
+    first = _start(runner, "a", prompts[0], [1, 2, 3, 4, 5])
+    assert first == _start(reference, "a", prompts[0], [1, 2, 3, 4, 5])
+    pos = len(prompts[0])
+    run = runner.backend.run
+
+    def broken(batch):  # the injected fault: the forward itself fails, after the step was staged
+        raise RuntimeError("injected fault in the forward")
+
+    monkeypatch.setattr(runner.backend, "run", broken)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        runner.step(StepInput([SeqChunk("a", [first], pos, new_block_ids=[6], sample=True),
+                               SeqChunk("new", [1, 2], 0, new_block_ids=[7], sample=True, sampling=SamplingParams(),
+                                        num_prompt_tokens=2)]))
+    monkeypatch.setattr(runner.backend, "run", run)
+    assert "new" not in runner.seqs  # a registration joins only with a step that succeeds
+    assert runner.seqs["a"].block_table == [1, 2, 3, 4, 5] and len(runner.seqs["a"].tokens) == pos
+    assert _continue(runner, "a", first, pos, 8) == _continue(reference, "a", first, pos, 8)
+
+
 def test_duplicate_sequence_in_one_step_is_rejected(default_model):
     runner = make_runner(default_model, num_blocks=8)
     chunk = SeqChunk("d", [1, 2], 0, new_block_ids=[0], sample=True, sampling=SamplingParams(), num_prompt_tokens=2)

@@ -106,6 +106,26 @@ class SeqState:
     accepted_last: int = 0  # drafts its last step confirmed: a decode_last sent before that answer starts after them
 
 
+@dataclass
+class Undo:
+    """How to undo a step's changes to a sequence's state: its lengths and the fields the step sets, as they were."""
+
+    state: SeqState
+    tokens: int
+    blocks: int
+    last_sampled: int | None
+    accepted_last: int
+    pending_hidden: torch.Tensor | None
+
+
+def roll_back(undo: list[Undo]) -> None:
+    for u in reversed(undo):
+        del u.state.tokens[u.tokens :]
+        del u.state.block_table[u.blocks :]
+        u.state.last_sampled, u.state.accepted_last, u.state.pending_hidden = (u.last_sampled, u.accepted_last,
+                                                                               u.pending_hidden)
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the per-sequence state; ``step`` runs one engine step."""
 
@@ -211,19 +231,24 @@ class ModelRunner:
             self.seqs.clear()
         for seq_id in step.free_seq_ids:
             self.seqs.pop(seq_id, None)
-        staged = {c.seq_id: self._staged_state(c) for c in step.chunks}
-        drafts = self._draft(step.chunks, staged)
-        self._set_threads(sum(len(c.token_ids) for c in step.chunks))
-        # decode tokens first (one query each), then prefill chunks
-        order = sorted(step.chunks, key=lambda c: len(c.token_ids) > 1)
-        results = self._forward_and_sample(order, staged, drafts) if order else []
-        for r in results:
-            if r.sampled is not None:
-                s = staged[r.seq_id]
-                s.last_sampled, s.accepted_last = r.tokens[-1].token_id, len(r.accepted)
-                if r.drafted > len(r.accepted):  # the rejected drafts' KV is junk, overwritten later
-                    del s.tokens[len(s.tokens) - (r.drafted - len(r.accepted)) :]
-        self.seqs.update(staged)  # commit only after the forward succeeded
+        undo: list[Undo] = []
+        staged = {c.seq_id: self._staged_state(c, undo) for c in step.chunks}
+        try:
+            drafts = self._draft(step.chunks, staged)
+            self._set_threads(sum(len(c.token_ids) for c in step.chunks))
+            # decode tokens first (one query each), then prefill chunks
+            order = sorted(step.chunks, key=lambda c: len(c.token_ids) > 1)
+            results = self._forward_and_sample(order, staged, drafts) if order else []
+            for r in results:
+                if r.sampled is not None:
+                    s = staged[r.seq_id]
+                    s.last_sampled, s.accepted_last = r.tokens[-1].token_id, len(r.accepted)
+                    if r.drafted > len(r.accepted):  # the rejected drafts' KV is junk, overwritten later
+                        del s.tokens[len(s.tokens) - (r.drafted - len(r.accepted)) :]
+        except BaseException:
+            roll_back(undo)  # a step that fails leaves every sequence as it was
+            raise
+        self.seqs.update(staged)  # registrations join only after the forward succeeded
         position = {c.seq_id: i for i, c in enumerate(step.chunks)}
         return sorted(results, key=lambda r: position[r.seq_id])  # request order
 
@@ -269,13 +294,17 @@ class ModelRunner:
         try:
             for d in timed:
                 chunk = SeqChunk(seq_id, ids[context : context + d + 1], context, sample=True)
-                staged = {seq_id: self._staged_state(chunk)}  # never committed: each try computes the same rows
+                undo: list[Undo] = []
+                staged = {seq_id: self._staged_state(chunk, undo)}  # rolled back: each try computes the same rows
                 self._set_threads(1 + d)
                 best = float("inf")
-                for _ in range(repeat + 1):
-                    start = time.perf_counter()
-                    self._forward_and_sample([chunk], staged, {seq_id: chunk.token_ids[1:]} if d else {})
-                    best = min(best, time.perf_counter() - start)
+                try:
+                    for _ in range(repeat + 1):
+                        start = time.perf_counter()
+                        self._forward_and_sample([chunk], staged, {seq_id: chunk.token_ids[1:]} if d else {})
+                        best = min(best, time.perf_counter() - start)
+                finally:
+                    roll_back(undo)
                 seconds[d] = best
         finally:
             self.seqs.pop(seq_id, None)
@@ -309,17 +338,24 @@ class ModelRunner:
         chunk = SeqChunk("\0score", list(token_ids), 0, new_block_ids=list(block_ids), sample=False,
                          sampling=SamplingParams(), num_prompt_tokens=len(token_ids))
         self._check_chunk(chunk, known=False)
-        batch = self._batch([chunk], {chunk.seq_id: self._staged_state(chunk)})
+        batch = self._batch([chunk], {chunk.seq_id: self._staged_state(chunk, [])})
         return self.model.logits(self.backend.run(batch))
 
-    def _staged_state(self, c: SeqChunk) -> SeqState:
+    def _staged_state(self, c: SeqChunk, undo: list[Undo]) -> SeqState:
+        """The sequence's state with ``c`` applied: a new one for a chunk that registers (it joins ``seqs`` once the
+        step succeeds), else its own, extended in place (a copy cost O(context) per sequence and step), with what
+        undoes that added to ``undo``."""
         if c.registers:
             constraint = self.constraints.new(c.structured) if c.structured is not None else None
             return SeqState(c.sampling, c.num_prompt_tokens, c.cached_token_ids + c.token_ids, list(c.new_block_ids),
                             stop=c.stop, constraint=constraint)
-        old = self.seqs[c.seq_id]
-        return replace(old, tokens=old.tokens + c.token_ids, block_table=old.block_table + c.new_block_ids,
-                       last_sampled=None, accepted_last=0)
+        state = self.seqs[c.seq_id]
+        undo.append(Undo(state, len(state.tokens), len(state.block_table), state.last_sampled, state.accepted_last,
+                         state.pending_hidden))
+        state.tokens += c.token_ids
+        state.block_table += c.new_block_ids
+        state.last_sampled, state.accepted_last = None, 0
+        return state
 
     def _forward_and_sample(self, order: list[SeqChunk], staged: dict[str, SeqState],
                             drafts: dict[str, list[int]]) -> list[StepResult]:
