@@ -18,7 +18,7 @@ def _logits(seed: int = 0) -> torch.Tensor:
 
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> set[int]:
     """Tokens drawn over ``n`` seeds, one batch of ``n`` identical rows with distinct seeds."""
-    rows = [SampleRow(SamplingParams(**{**params.__dict__, "seed": s}), [], []) for s in range(n)]
+    rows = [SampleRow(SamplingParams(**{**params.__dict__, "seed": s}), []) for s in range(n)]
     return {r.token_id for r in sample(logits.expand(n, -1).clone(), rows)}
 
 
@@ -66,7 +66,7 @@ def test_draws_follow_the_tempered_distribution(temperature):
     logits = torch.full((VOCAB,), -1e9)
     logits[:4] = base.log()
     n = 4000
-    rows = [SampleRow(SamplingParams(temperature=temperature, seed=s), [], []) for s in range(n)]
+    rows = [SampleRow(SamplingParams(temperature=temperature, seed=s), []) for s in range(n)]
     counts = torch.bincount(torch.tensor([r.token_id for r in sample(logits.expand(n, -1).clone(), rows)]), minlength=4)
     expected = base ** (1 / temperature) / (base ** (1 / temperature)).sum()
     assert torch.allclose(counts[:4].float() / n, expected, atol=0.03)
@@ -74,7 +74,7 @@ def test_draws_follow_the_tempered_distribution(temperature):
 
 def test_greedy_takes_the_argmax_and_reports_logprobs():
     logits = _logits(5).unsqueeze(0)
-    (result,) = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0.0, logprobs=3), [], [])])
+    (result,) = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0.0, logprobs=3), [])])
     logprobs = torch.log_softmax(logits[0], dim=-1)
     assert result.token_id == int(logits.argmax())
     assert result.logprob == pytest.approx(logprobs.max().item(), abs=1e-6)
@@ -89,7 +89,7 @@ def test_greedy_takes_the_first_of_tied_largest_logits_in_every_row():
     logits[0, [7, 3, 40]] = 2.0
     logits[1] = float("-inf")
     logits[2, [49, 12]] = 5.0
-    rows = [SampleRow(SamplingParams(temperature=0.0), [], []) for _ in range(3)]
+    rows = [SampleRow(SamplingParams(temperature=0.0), []) for _ in range(3)]
     assert [r.token_id for r in sample(logits, rows)] == [3, 0, 12]
 
 
@@ -119,16 +119,16 @@ PROMPT, OUTPUT = [0, 1], [2, 2, 4]  # token 5 appears nowhere
 )
 def test_penalties_change_logits_exactly_as_specified(params, expected):
     logits = torch.tensor([LOGITS])
-    apply_penalties(logits, [SampleRow(params, PROMPT, OUTPUT)])
+    apply_penalties(logits, [SampleRow(params, PROMPT + OUTPUT, len(PROMPT))])
     assert logits[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
 def test_logit_bias_and_min_tokens():
     logits = torch.tensor([LOGITS, LOGITS, LOGITS])
     rows = [
-        SampleRow(SamplingParams(logit_bias={5: 2.5, 3: -10.0}), [], []),
-        SampleRow(SamplingParams(), [], [1, 1], StopParams(min_tokens=3, stop_token_ids=(3,))),  # 2 < 3: token 3 masked
-        SampleRow(SamplingParams(), [], [1, 1, 1], StopParams(min_tokens=3, stop_token_ids=(3,))),  # 3 generated: allowed
+        SampleRow(SamplingParams(logit_bias={5: 2.5, 3: -10.0}), []),
+        SampleRow(SamplingParams(), [1, 1], stop=StopParams(min_tokens=3, stop_token_ids=(3,))),  # 2 < 3: token 3 masked
+        SampleRow(SamplingParams(), [1, 1, 1], stop=StopParams(min_tokens=3, stop_token_ids=(3,))),  # 3 generated: allowed
     ]
     apply_bias_and_min_tokens(logits, rows)
     assert logits[0].tolist() == pytest.approx([2.0, -1.0, 0.5, -7.0, -2.0, 3.5])
@@ -137,8 +137,8 @@ def test_logit_bias_and_min_tokens():
 
 def test_penalty_steers_greedy_away_from_a_repeated_token():
     logits = torch.tensor([LOGITS])
-    plain = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0.0), [], [3])])[0].token_id
-    penalised = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0.0, presence_penalty=5.0), [], [3])])
+    plain = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0.0), [3])])[0].token_id
+    penalised = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0.0, presence_penalty=5.0), [3])])
     assert plain == 3 and penalised[0].token_id == 0
 
 
@@ -186,9 +186,9 @@ def test_seeded_draws_survive_a_recompute(default_model, chat_prompts):
 
 def test_logprobs_are_computed_only_for_the_rows_that_ask():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
-    rows = [SampleRow(SamplingParams(temperature=0.0), [], []),
-            SampleRow(SamplingParams(temperature=0.0, logprobs=0), [], []),
-            SampleRow(SamplingParams(temperature=0.0, logprobs=2), [], [])]
+    rows = [SampleRow(SamplingParams(temperature=0.0), []),
+            SampleRow(SamplingParams(temperature=0.0, logprobs=0), []),
+            SampleRow(SamplingParams(temperature=0.0, logprobs=2), [])]
     results = sample(logits.clone(), rows)
     assert [r.token_id for r in results] == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, dim=-1).max(-1).values.tolist()
@@ -204,7 +204,7 @@ def test_a_rows_logprobs_do_not_depend_on_how_many_rows_ask_for_them():
     differs = 0
     for _ in range(100):
         logits = torch.randn(3, 49152, generator=generator) * 3.0
-        rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=2), [], []) for _ in range(3)]
+        rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=2), []) for _ in range(3)]
         alone = sample(logits[:1].clone(), rows[:1])[0]
         together = sample(logits.clone(), rows)[0]
         assert alone.token_id == together.token_id
@@ -270,14 +270,14 @@ def test_a_constraints_mask_holds_greedy_and_drawn_rows_to_its_tokens():
     only allowed tokens, whatever the noise. A row with nothing allowed reports a dead end, alone."""
     vocab = 100
     logits = torch.arange(vocab, dtype=torch.float32).repeat(4, 1)  # token 99 is every row's argmax
-    rows = [SampleRow(SamplingParams(temperature=0.0), [], [], mask=_bitmask(vocab, [99, 3])),
-            SampleRow(SamplingParams(temperature=0.0), [], [], mask=_bitmask(vocab, [3, 40, 64])),
-            SampleRow(SamplingParams(temperature=1.0, seed=1), [], [], mask=_bitmask(vocab, [5, 7, 31, 32])),
-            SampleRow(SamplingParams(temperature=0.0), [], [], mask=_bitmask(vocab, []))]
+    rows = [SampleRow(SamplingParams(temperature=0.0), [], mask=_bitmask(vocab, [99, 3])),
+            SampleRow(SamplingParams(temperature=0.0), [], mask=_bitmask(vocab, [3, 40, 64])),
+            SampleRow(SamplingParams(temperature=1.0, seed=1), [], mask=_bitmask(vocab, [5, 7, 31, 32])),
+            SampleRow(SamplingParams(temperature=0.0), [], mask=_bitmask(vocab, []))]
     out = sample(logits.clone(), rows)
     assert [out[0].token_id, out[1].token_id] == [99, 64] and out[2].token_id in (5, 7, 31, 32)
     assert out[3].error and "allows no token" in out[3].error and not any(o.error for o in out[:3])
-    drawn = {sample(logits[2:3].clone(), [SampleRow(SamplingParams(temperature=1.0, seed=s), [], [],
+    drawn = {sample(logits[2:3].clone(), [SampleRow(SamplingParams(temperature=1.0, seed=s), [],
                                                     mask=_bitmask(vocab, [5, 7, 31, 32]))])[0].token_id
              for s in range(40)}
     assert drawn <= {5, 7, 31, 32} and len(drawn) > 1

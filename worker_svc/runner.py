@@ -373,12 +373,12 @@ class ModelRunner:
             errors, bitmasks = masks.result() if masks is not None else ({}, {})
             for i, c in enumerate(sampled):
                 s, guess = staged[c.seq_id], drafts.get(c.seq_id, [])
-                last, prompt = last_rows[c.seq_id], s.tokens[: s.num_prompt_tokens]
+                last = last_rows[c.seq_id]
                 computed = len(s.tokens) - len(guess)  # the history each row is sampled after: row r's, plus r drafts
                 spans.append((len(sample_rows), len(guess)))
                 for r in range(len(guess) + 1):
                     rows.append(last - len(guess) + r)
-                    sample_rows.append(SampleRow(s.params, prompt, s.tokens[s.num_prompt_tokens : computed + r], s.stop,
+                    sample_rows.append(SampleRow(s.params, s.tokens, s.num_prompt_tokens, computed + r, s.stop,
                                                  bitmasks[i][r] if i in bitmasks else None))
             # a step of decodes alone samples every row in order: no gather
             picked = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=self.device)]

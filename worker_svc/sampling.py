@@ -30,13 +30,27 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) o
 
 @dataclass
 class SampleRow:
-    """One sequence to sample for: its parameters and its token history."""
+    """One sequence to sample for: its parameters and its token history. The history is the sequence's own list,
+    sliced only where a penalty reads it (a copy per row and step cost O(context) for every row)."""
 
     params: SamplingParams
-    prompt_ids: list[int]  # the original prompt
-    output_ids: list[int]  # tokens generated so far (fed back to the model)
+    history: list[int]  # the original prompt, then the tokens generated so far (fed back to the model)
+    num_prompt: int = 0  # the prompt's length
+    end: int | None = None  # the history this row is sampled after ends here (None: all of it)
     stop: StopParams = field(default_factory=StopParams)  # stop_token_ids are masked before min_tokens
     mask: torch.Tensor | None = None  # a constraint's allowed tokens, a bitmask (int32 words, 32 tokens each)
+
+    @property
+    def num_output(self) -> int:
+        return (len(self.history) if self.end is None else self.end) - self.num_prompt
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.history[: self.num_prompt]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.history[self.num_prompt : self.end]
 
 
 @dataclass
@@ -171,12 +185,12 @@ def _beyond_top_p(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Ten
 
 def _seeded_exponential(vocab: int, row: SampleRow, device) -> torch.Tensor:
     g = torch.Generator(device=device)
-    g.manual_seed(seed_for(row.params.seed, len(row.output_ids)))
+    g.manual_seed(seed_for(row.params.seed, row.num_output))
     return torch.empty(vocab, device=device).exponential_(generator=g)
 
 
 def _masks_stop_ids(row: SampleRow) -> bool:
-    return bool(row.stop.stop_token_ids) and len(row.output_ids) < row.stop.min_tokens
+    return bool(row.stop.stop_token_ids) and row.num_output < row.stop.min_tokens
 
 
 def _edits_logits(row: SampleRow) -> bool:
