@@ -10,6 +10,7 @@ import torch
 from helpers import needs_kernels
 
 from worker_svc import backends
+from worker_svc.attention import BlockTable, padded_tables
 from worker_svc.backends import StepBatch, slot
 from worker_svc.kv_cache import KVCache
 from worker_svc.loader import load_model
@@ -125,3 +126,19 @@ def test_a_backend_the_model_cannot_take_is_refused_by_name(tiny_folder):
         load_model(tiny_folder, attention="flex", quantize="q8_0")
     with pytest.raises(ValueError, match="--attention must be one of auto, native, flex, sdpa"):
         load_model(tiny_folder, attention="cuda")
+
+
+def test_a_block_tables_padded_row_follows_its_ids_through_growth_and_rollback():
+    """The array a step's padded tables copy from must hold exactly the table's ids: grown past its first
+    capacity, cut back (a failed step's rollback), then extended over the ids it lost."""
+    ids = list(range(100, 140))
+    table = BlockTable(ids[:3])
+    for start in range(3, len(ids), 7):
+        table.extend(ids[start : start + 7])
+    table.truncate(25)
+    table.extend([7, 8])
+    expected = ids[:25] + [7, 8]
+    padded = padded_tables([table, [1, 2]], 3, 30, -1)
+    assert table.ids == table.row().tolist() == expected
+    assert padded[0].tolist() == expected + [-1] * 3 and padded[1].tolist() == [1, 2] + [-1] * 28
+    assert padded[2].tolist() == [-1] * 30

@@ -188,7 +188,8 @@ def test_a_step_that_fails_in_its_forward_leaves_every_sequence_as_it_was(defaul
                                         num_prompt_tokens=2)]))
     monkeypatch.setattr(runner.backend, "run", run)
     assert "new" not in runner.seqs  # a registration joins only with a step that succeeds
-    assert runner.seqs["a"].block_table == [1, 2, 3, 4, 5] and len(runner.seqs["a"].tokens) == pos
+    table = runner.seqs["a"].block_table
+    assert table.ids == table.row().tolist() == [1, 2, 3, 4, 5] and len(runner.seqs["a"].tokens) == pos
     assert _continue(runner, "a", first, pos, 8) == _continue(reference, "a", first, pos, 8)
 
 

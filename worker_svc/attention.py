@@ -32,6 +32,7 @@ import warnings
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -179,14 +180,47 @@ def block_mask(rows: Rows, tables: torch.Tensor, logical: torch.Tensor, block_si
     )
 
 
-def padded_tables(tables: list[list[int]], rows: int, width: int, pad: int) -> torch.Tensor:
-    """(rows, width) int32 on the host: the tables, padded with the ``pad`` block (rows too). One tensor
-    made from Python lists, as wide as the longest table here, then copied in: not one tensor per row."""
-    out = torch.full((rows, width), pad, dtype=torch.int32)
-    longest = max((len(t) for t in tables), default=0)
-    if longest:
-        out[: len(tables), :longest] = torch.tensor([t + [pad] * (longest - len(t)) for t in tables], dtype=torch.int32)
-    return out
+class BlockTable:
+    """A sequence's block ids: a Python list (read id by id, for each token's cache slot) and the same ids in an
+    int32 array that grows as blocks are added, so that a step's padded tables copy each sequence's row in one go.
+    Made from the lists every step, they cost O(context) per sequence: 256 sequences of 256 blocks, 3.9 ms."""
+
+    __slots__ = ("ids", "_array")
+
+    def __init__(self, ids: list[int] | None = None):
+        self.ids: list[int] = []
+        self._array = np.empty(16, dtype=np.int32)
+        self.extend(ids or [])
+
+    def extend(self, new: list[int]) -> None:
+        n, end = len(self.ids), len(self.ids) + len(new)
+        if end > len(self._array):
+            grown = np.empty(max(2 * len(self._array), end), dtype=np.int32)
+            grown[:n] = self._array[:n]
+            self._array = grown
+        self._array[n:end] = new
+        self.ids += new
+
+    def truncate(self, n: int) -> None:
+        del self.ids[n:]
+
+    def row(self) -> np.ndarray:
+        return self._array[: len(self.ids)]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> int:
+        return self.ids[i]
+
+
+def padded_tables(tables: list[BlockTable | list[int]], rows: int, width: int, pad: int) -> torch.Tensor:
+    """(rows, width) int32 on the host: the tables, padded with the ``pad`` block (rows too), each row copied from
+    its ``BlockTable``'s array (or converted from a plain list)."""
+    out = np.full((rows, width), pad, dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t.row() if isinstance(t, BlockTable) else t
+    return torch.from_numpy(out)
 
 
 def index_blocks(logical: torch.Tensor, tables: torch.Tensor) -> None:

@@ -137,7 +137,6 @@ class Native(Backend):
     def prepare(self, batch: StepBatch) -> NativeStep:
         """Each tensor made once from Python lists: a lone decode's step is ~4 ms here, and building the per-token
         lists with PyTorch ops (repeat_interleave, a compare, casts) cost ~0.15 ms of it."""
-        width = max(len(t) for t in batch.tables)
         seq: list[int] = []
         prompt: list[int] = []
         for i, (start, n, end) in enumerate(zip(batch.starts, batch.lengths, batch.prompt_ends)):
@@ -145,7 +144,7 @@ class Native(Backend):
             k = min(max(end - start, 0), n)  # the chunk's first k tokens are of its prompt
             prompt += [1] * k + [0] * (n - k)
         return NativeStep(torch.tensor(batch.token_ids), torch.tensor(batch.slots),
-                          torch.tensor([t + [0] * (width - len(t)) for t in batch.tables], dtype=torch.int32),
+                          padded_tables(batch.tables, len(batch.tables), max(len(t) for t in batch.tables), 0),
                           torch.tensor(seq, dtype=torch.int32), torch.tensor(batch.positions, dtype=torch.int32),
                           torch.tensor(prompt, dtype=torch.uint8))
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from worker_svc.attention import decode_size, padded_tables
+from worker_svc.attention import BlockTable, decode_size, padded_tables
 
 log = logging.getLogger("conveyor.worker")
 
@@ -84,7 +84,8 @@ class DecodeGraphs:
         """Every padded size a step of 1..max_batch decodes runs at."""
         return sorted({decode_size(n) for n in range(1, self.max_batch + 1)})
 
-    def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], slots: list[int],
+            tables: list[BlockTable | list[int]]) -> torch.Tensor:
         """Hidden states (n, hidden) of ``n`` decodes, one per sequence."""
         n = len(token_ids)
         if not 0 < n <= self.max_batch:

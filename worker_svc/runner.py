@@ -24,6 +24,7 @@ from conveyor.errors import InvalidArgument
 from conveyor.params import SamplingParams, StopParams, Structured
 from conveyor.structured import Constraint, Constraints
 from worker_svc import backends
+from worker_svc.attention import BlockTable
 from worker_svc.backends import StepBatch
 from worker_svc.graphs import Graph
 from worker_svc.kv_cache import KVCache
@@ -95,7 +96,7 @@ class SeqState:
     params: SamplingParams
     num_prompt_tokens: int
     tokens: list[int] = field(default_factory=list)  # every token fed so far (KV computed)
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     last_sampled: int | None = None  # for a decode_last chunk of the next step
     # prompt_logprobs: the hidden state of the last position computed, while the prompt goes on in the next chunk
     # (it scores that chunk's first token)
@@ -121,7 +122,7 @@ class Undo:
 def roll_back(undo: list[Undo]) -> None:
     for u in reversed(undo):
         del u.state.tokens[u.tokens :]
-        del u.state.block_table[u.blocks :]
+        u.state.block_table.truncate(u.blocks)
         u.state.last_sampled, u.state.accepted_last, u.state.pending_hidden = (u.last_sampled, u.accepted_last,
                                                                                u.pending_hidden)
 
@@ -347,13 +348,13 @@ class ModelRunner:
         undoes that added to ``undo``."""
         if c.registers:
             constraint = self.constraints.new(c.structured) if c.structured is not None else None
-            return SeqState(c.sampling, c.num_prompt_tokens, c.cached_token_ids + c.token_ids, list(c.new_block_ids),
-                            stop=c.stop, constraint=constraint)
+            return SeqState(c.sampling, c.num_prompt_tokens, c.cached_token_ids + c.token_ids,
+                            BlockTable(c.new_block_ids), stop=c.stop, constraint=constraint)
         state = self.seqs[c.seq_id]
         undo.append(Undo(state, len(state.tokens), len(state.block_table), state.last_sampled, state.accepted_last,
                          state.pending_hidden))
         state.tokens += c.token_ids
-        state.block_table += c.new_block_ids
+        state.block_table.extend(c.new_block_ids)
         state.last_sampled, state.accepted_last = None, 0
         return state
 
