@@ -170,7 +170,7 @@ def test_malformed_step_is_rejected_and_leaves_others_intact(default_model, prom
     assert _continue(runner, "a", first, pos, 8) == _continue(reference, "a", first, pos, 8)
 
 
-def test_a_step_that_fails_in_its_forward_leaves_every_sequence_as_it_was(default_model, prompts, monkeypatch):
+def test_a_step_that_fails_in_its_forward_or_its_staging_leaves_every_sequence_as_it_was(default_model, prompts, monkeypatch):
     runner = make_runner(default_model, num_blocks=64)
     reference = make_runner(default_model, num_blocks=64)
     first = _start(runner, "a", prompts[0], [1, 2, 3, 4, 5])
@@ -181,12 +181,26 @@ def test_a_step_that_fails_in_its_forward_leaves_every_sequence_as_it_was(defaul
     def broken(batch):  # the injected fault: the forward itself fails, after the step was staged
         raise RuntimeError("injected fault in the forward")
 
+    def step():
+        return runner.step(StepInput([SeqChunk("a", [first], pos, new_block_ids=[6], sample=True),
+                                      SeqChunk("new", [1, 2], 0, new_block_ids=[7], sample=True,
+                                               sampling=SamplingParams(), num_prompt_tokens=2)]))
+
     monkeypatch.setattr(runner.backend, "run", broken)
     with pytest.raises(RuntimeError, match="injected fault"):
-        runner.step(StepInput([SeqChunk("a", [first], pos, new_block_ids=[6], sample=True),
-                               SeqChunk("new", [1, 2], 0, new_block_ids=[7], sample=True, sampling=SamplingParams(),
-                                        num_prompt_tokens=2)]))
+        step()
     monkeypatch.setattr(runner.backend, "run", run)
+    staged = runner._staged_state
+
+    def staging_breaks(c, undo):  # the injected fault: "a" is staged, then the registration's state fails to build
+        if c.seq_id == "new":
+            raise RuntimeError("injected fault in staging")
+        return staged(c, undo)
+
+    monkeypatch.setattr(runner, "_staged_state", staging_breaks)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        step()
+    monkeypatch.setattr(runner, "_staged_state", staged)
     assert "new" not in runner.seqs  # a registration joins only with a step that succeeds
     table = runner.seqs["a"].block_table
     assert table.ids == table.row().tolist() == [1, 2, 3, 4, 5] and len(runner.seqs["a"].tokens) == pos

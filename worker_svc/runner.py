@@ -233,8 +233,8 @@ class ModelRunner:
         for seq_id in step.free_seq_ids:
             self.seqs.pop(seq_id, None)
         undo: list[Undo] = []
-        staged = {c.seq_id: self._staged_state(c, undo) for c in step.chunks}
-        try:
+        try:  # staging too: a registration's state (its constraint's matcher) is built after others were extended
+            staged = {c.seq_id: self._staged_state(c, undo) for c in step.chunks}
             drafts = self._draft(step.chunks, staged)
             self._set_threads(sum(len(c.token_ids) for c in step.chunks))
             # decode tokens first (one query each), then prefill chunks
@@ -296,10 +296,10 @@ class ModelRunner:
             for d in timed:
                 chunk = SeqChunk(seq_id, ids[context : context + d + 1], context, sample=True)
                 undo: list[Undo] = []
-                staged = {seq_id: self._staged_state(chunk, undo)}  # rolled back: each try computes the same rows
-                self._set_threads(1 + d)
                 best = float("inf")
                 try:
+                    staged = {seq_id: self._staged_state(chunk, undo)}  # rolled back: each try computes the same rows
+                    self._set_threads(1 + d)
                     for _ in range(repeat + 1):
                         start = time.perf_counter()
                         self._forward_and_sample([chunk], staged, {seq_id: chunk.token_ids[1:]} if d else {})
