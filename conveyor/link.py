@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import ssl
 import struct
@@ -173,6 +174,7 @@ class Link:
         self.sock = sock
         self.peer = peer
         self._header = bytearray(HEADER.size)
+        self._poll: select.poll | None = None  # ``ready``'s
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float = 5.0, local_name: str = "", local_key: bytes = b"") -> Link:
@@ -242,6 +244,16 @@ class Link:
             error = json.loads(data)
             raise LinkError(error["code"], error["details"], error.get("culprit"))
         return parse(bytes(data))
+
+    def ready(self) -> bool:
+        """Whether ``receive`` would find something at once (a message, an error, or the peer gone) instead of
+        waiting: bytes in the socket, or decrypted ones TLS holds back."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True
+        if self._poll is None:
+            self._poll = select.poll()
+            self._poll.register(self.sock, select.POLLIN)
+        return bool(self._poll.poll(0))
 
     def answer_each(self, what: str, parse: Callable[[bytes], object], answer: Callable[[object], object],
                     refuse: Callable[[Exception], tuple[str, str, str | None]]) -> None:

@@ -5,23 +5,28 @@ runs in milliseconds to a second, where the same faults through a whole stack ta
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import uuid
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from conveyor.engines import EngineInfo, Lease, Registry
+from conveyor.link import Link, LinkServer, LinkService
 from conveyor.metrics import Metrics
 from conveyor.params import RequestParams
 from conveyor.state import RequestRecord, RequestStore
+from conveyor.v1 import detokenizer_pb2
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.engine import Engine, StepFailed
 from scheduler_svc.membership import Membership
 from scheduler_svc.policy import Answer, Scheduler, StepPlan
 from scheduler_svc.request import Request
+from scheduler_svc.server import Publisher
 
 BLOCKS, BLOCK_SIZE, MAX_LEN = 64, 4, 256
 
@@ -383,3 +388,61 @@ def test_a_stop_string_finish_during_a_step_does_not_move_the_steps_token(redis_
     assert store.get(rid).output_ids == [20, 21, 22, 23, 24]  # token 4 at index 4, not at index 2
     engine._write_and_publish(StepPlan(0, [], []), [], [finish])  # the Finish's own write trims
     assert store.get(rid).output_ids == [20, 21] and store.get(rid).finish_reason == "stop"
+
+
+class FlakyDetokenizer(LinkService):
+    """The detokenizer's end of the scheduler's token-batch link, on a real ``LinkServer``: it answers each batch
+    after a random delay, refuses some of the first (``retry``, as when it cannot read a request from Redis), and hangs up on some
+    without answering (as a detokenizer killed after reading a batch). ``taken``: the steps it answered yes to, in
+    order."""
+
+    def __init__(self, seed: int, hang_up_on: set[int], refuse_until: int):
+        self.random = random.Random(seed)
+        self.hang_up_on = hang_up_on  # steps whose first arrival closes the link unanswered
+        self.refuse_until = refuse_until  # steps up to this one are refused now and then
+        self.taken: list[int] = []
+        self.links = 0
+        self.listening(LinkServer("127.0.0.1", 0, self.add_link, "test-push"))
+
+    def add_link(self, link: Link) -> None:
+        self.links += 1
+        threading.Thread(target=self._serve, args=(link,), daemon=True).start()
+
+    def _serve(self, link: Link) -> None:
+        while True:
+            try:
+                batch = link.receive(detokenizer_pb2.TokenBatch.FromString)
+            except (ConnectionError, OSError):
+                return
+            if batch.step in self.hang_up_on:
+                self.hang_up_on.discard(batch.step)
+                link.close()
+                return
+            time.sleep(self.random.choice((0, 0, 0, 0.001, 0.004)))
+            retry = batch.step <= self.refuse_until and self.random.random() < 0.05
+            if not retry:
+                self.taken.append(batch.step)
+            link.send(detokenizer_pb2.PushResponse(step=batch.step, retry=retry))
+
+    def stub(self) -> SimpleNamespace:
+        return SimpleNamespace(Link=lambda request, timeout=None: self.Link(request, None))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_detokenizer_takes_every_batch_once_in_order_when_it_answers_late_refuses_or_hangs_up(seed):
+    """The step loop sends batches itself while their answers keep up and hands them to the publisher's thread when
+    they do not: however the two trade the link, every batch is taken once, in order, including the last of a burst,
+    which no later batch comes to settle: its detokenizer hung up on it, and the thread sends it again."""
+    detokenizer = FlakyDetokenizer(seed, hang_up_on={40, 120, 201}, refuse_until=180)
+    publish = Publisher(detokenizer.stub(), "127.0.0.1:1", timeout=5.0)
+    pace = random.Random(seed)
+    for step in range(1, 201):
+        publish(step, [])
+        time.sleep(pace.choice((0, 0.0005, 0.002, 0.006)))
+    time.sleep(0.3)  # all answered: the next batch goes from the step loop itself
+    publish(201, [])  # the detokenizer hangs up on it, and no step comes after it
+    deadline = time.monotonic() + 10
+    while len(detokenizer.taken) < 201 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert detokenizer.taken == list(range(1, 202))
+    assert detokenizer.links == 4  # the first, and one after each hang-up
