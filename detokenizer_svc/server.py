@@ -63,6 +63,8 @@ class Channels:
         self._peers: dict[str, Peer] = {}  # one per address, kept (with its gRPC channel)
         self._down_until: dict[str, float] = {}
         self._held: dict[str, tuple[float, list[Delta]]] = {}  # address -> (since, deltas not delivered)
+        # address -> (since or None, deltas, how many of them were held): sent, the frontend's answer not read yet
+        self._sent: dict[str, tuple[float | None, list[Delta], int]] = {}
         self._sending: dict[str, threading.Lock] = {}  # one batch in flight per frontend: answers stay paired
         self._lock = threading.Lock()
 
@@ -104,9 +106,20 @@ class Channels:
             return self._held.pop(address, (None, []))
 
     def holding(self) -> list[str]:
-        """The addresses with deltas held, that may be tried again now."""
+        """The addresses with deltas held, that may be tried again now, or with an answer not read yet."""
         with self._lock:
-            return [address for address in self._held if not self.is_down(address)]
+            return [*{a for a in self._held if not self.is_down(a)} | set(self._sent)]
+
+    def sent(self, address: str, since: float | None, deltas: list[Delta], held: int) -> None:
+        """``deltas`` went to ``address`` (``since``: when the oldest first failed; ``held``: how many were held):
+        its answer is read before its next batch (``unanswered``). Under ``sending(address)``."""
+        with self._lock:
+            self._sent[address] = (since, deltas, held)
+
+    def unanswered(self, address: str) -> tuple[float | None, list[Delta], int] | None:
+        """Take what went to ``address`` and is not answered yet (``sent``'s), or None. Under ``sending(address)``."""
+        with self._lock:
+            return self._sent.pop(address, None)
 
 
 class Orphans:
@@ -215,23 +228,25 @@ class DetokenizerService(LinkService, detokenizer_pb2_grpc.DetokenizerServicer):
         return detokenizer_pb2.ReplayResponse(deltas=[delta_to_pb(d) for d in deltas])
 
     def _deliver(self, frontend: str, deltas: list[Delta]) -> None:
-        """Send ``frontend`` its deltas, after any it could not take before; held again if it cannot now."""
+        """Send ``frontend`` its deltas, after any it could not take before; held again if it cannot now. Its answer
+        (which requests it holds no stream for) is read before its next batch, where it is there already while the
+        frontend keeps up (a wake of this thread fewer a step than waiting for it), or by ``resend`` within a second
+        for the last batch of a burst; a batch it did not take is then held, ahead of anything newer."""
+        judged = []
         with self.channels.sending(frontend):
+            if (answered := self._settle(frontend)) is not None:
+                judged.append(answered)
             since, held = self.channels.held(frontend)
             deltas = held + deltas
-            if not deltas:
-                return
-            gone = self._send(frontend, deltas, quiet=since is not None)
-            if gone is None:  # the frontend is down or stalled (its clients may resume elsewhere): hold them
+            if deltas and not self._send(frontend, deltas, since, len(held)):
                 self.channels.hold(frontend, deltas, since)
-                gone = {d.request_id for d in deltas if d.finish_reason is None}
-            elif held:
-                log.info("delivered %d held deltas to frontend %s", len(held), frontend)
-        self.orphans.found({d.request_id for d in deltas} - gone)
-        for request_id in self.orphans.lost(gone):  # nobody listened for too long: stop generating
-            self.metrics.orphan_aborts.inc()
-            self.core.forget(request_id)
-            self._abort(request_id)
+                judged.append((deltas, {d.request_id for d in deltas if d.finish_reason is None}))
+        for delivered, gone in judged:
+            self.orphans.found({d.request_id for d in delivered} - gone)
+            for request_id in self.orphans.lost(gone):  # nobody listened for too long: stop generating
+                self.metrics.orphan_aborts.inc()
+                self.core.forget(request_id)
+                self._abort(request_id)
 
     def resend(self, every: float = Channels.DOWN_SECONDS) -> None:
         """Try the frontends holding deltas again, every ``every`` seconds (from a daemon thread): the last
@@ -244,22 +259,49 @@ class DetokenizerService(LinkService, detokenizer_pb2_grpc.DetokenizerServicer):
                 except Exception:  # noqa: BLE001 - the next round tries again
                     log.exception("resending held deltas to %s failed", frontend)
 
-    def _send(self, frontend: str, deltas: list[Delta], quiet: bool = False) -> set[str] | None:
-        """The ids the frontend holds no stream for, or None when it cannot be reached (now or just before).
-        ``quiet``: it failed before (already logged)."""
+    def _send(self, frontend: str, deltas: list[Delta], since: float | None, held: int) -> bool:
+        """Send the deltas (``since``: when the oldest of them first failed, None if never; ``held``: how many were
+        held); False when the frontend cannot be reached (now or just before). Under ``sending(frontend)``."""
         if self.channels.is_down(frontend):
-            return None
+            return False
         batch = frontend_pb2.DeltaBatch(deltas=[delta_to_pb(d) for d in deltas])
+        peer = self.channels.frontend(frontend)
         try:
-            reply = self.channels.frontend(frontend).call(batch, frontend_pb2.DeliverResponse.FromString,
-                                                          self.channels.ANSWER_SECONDS)
-        except Exception as exc:  # noqa: BLE001 - down, restarting, stalled, or it refused the batch
-            self.channels.failed(frontend)
-            if not quiet:
-                why = exc.code() if isinstance(exc, grpc.RpcError) else str(exc) or type(exc).__name__
-                log.warning("frontend %s unreachable (%s) for %d requests", frontend, why, len(deltas))
+            peer.open().send(batch)
+        except Exception as exc:  # noqa: BLE001 - down or restarting
+            peer.drop()
+            self._failed(frontend, exc, len(deltas), quiet=since is not None)
+            return False
+        self.channels.sent(frontend, since, deltas, held)
+        return True
+
+    def _settle(self, frontend: str) -> tuple[list[Delta], set[str]] | None:
+        """Read the frontend's answer to the batch sent to it last (waiting for it, ``Channels.ANSWER_SECONDS`` at
+        most): (its deltas, the ids it holds no stream for), or None when nothing waits for an answer. A batch it
+        did not take is held again. Under ``sending(frontend)``."""
+        if (sent := self.channels.unanswered(frontend)) is None:
             return None
-        return set(reply.unknown_request_ids)
+        since, deltas, held = sent
+        peer = self.channels.frontend(frontend)
+        try:
+            if peer.link is None:
+                raise ConnectionError("the link broke")
+            reply = peer.link.receive(frontend_pb2.DeliverResponse.FromString, self.channels.ANSWER_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - down, restarting, stalled, or it refused the batch
+            peer.drop()
+            self._failed(frontend, exc, len(deltas), quiet=since is not None)
+            self.channels.hold(frontend, deltas, since)
+            return deltas, {d.request_id for d in deltas if d.finish_reason is None}
+        if held:
+            log.info("delivered %d held deltas to frontend %s", held, frontend)
+        return deltas, set(reply.unknown_request_ids)
+
+    def _failed(self, frontend: str, exc: Exception, count: int, quiet: bool) -> None:
+        """A frontend could not take a batch: left alone for a while (``quiet``: it failed before, already logged)."""
+        self.channels.failed(frontend)
+        if not quiet:
+            why = exc.code() if isinstance(exc, grpc.RpcError) else str(exc) or type(exc).__name__
+            log.warning("frontend %s unreachable (%s) for %d requests", frontend, why, count)
 
     def _abort(self, request_id: str) -> None:
         try:

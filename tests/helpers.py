@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -258,3 +261,39 @@ def drained(stack, timeout: float = 10.0):
         if (stats.running, stats.waiting, stats.free_blocks) == (0, 0, stats.num_blocks) or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
+
+
+class FlakyLink:
+    """A service's end of a per-step link (``conveyor.link``) on a real ``LinkServer``, for the faults its sender
+    must survive: each message is answered after a random delay, with ``answer(message)``'s reply, or not at all
+    when that is None (the link closed, as by a service killed after reading it). ``service``: what its gRPC
+    ``Link`` call answers with (``LinkService``); ``stub()``: a stand-in for a stub whose ``Link`` is that call."""
+
+    def __init__(self, seed: int, parse, answer):
+        from conveyor.link import LinkServer, LinkService
+
+        self.random = random.Random(seed)
+        self.parse, self.answer = parse, answer
+        self.links = 0
+        self.service = LinkService()
+        self.service.listening(LinkServer("127.0.0.1", 0, self._add, "test-link"))
+
+    def _add(self, link) -> None:
+        self.links += 1
+        threading.Thread(target=self._serve, args=(link,), daemon=True).start()
+
+    def _serve(self, link) -> None:
+        while True:
+            try:
+                message = link.receive(self.parse)
+            except (ConnectionError, OSError):
+                return
+            reply = self.answer(message)
+            if reply is None:
+                link.close()
+                return
+            time.sleep(self.random.choice((0, 0, 0, 0.001, 0.004)))
+            link.send(reply)
+
+    def stub(self) -> SimpleNamespace:
+        return SimpleNamespace(Link=lambda request, timeout=None: self.service.Link(request, None))

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import random
+import time
 import uuid
 
 import pytest
 
+from conveyor import grpc_util
+from conveyor.engines import Registry
+from conveyor.messages import Delta
+from conveyor.metrics import Metrics
 from conveyor.params import RequestParams
+from conveyor.schedulers import Schedulers
 from conveyor.errors import NotFound
 from conveyor.state import RequestRecord, RequestStore
 from conveyor.tokenizer import load_tokenizer
+from conveyor.v1 import frontend_pb2, frontend_pb2_grpc
 from detokenizer_svc.core import DetokenizerCore, TokenEntry
 from detokenizer_svc.incremental import IncrementalDetokenizer, StopMatcher
+from detokenizer_svc.server import DetokenizerService
+from helpers import FlakyLink
 
 TEXTS = [
     "안녕하세요, 세계! 한국어 문장입니다.",
@@ -260,3 +270,49 @@ def test_the_first_token_of_a_sentencepiece_model_keeps_its_leading_space(redis_
     core = DetokenizerCore(tokenizer, store, lambda *a, **k: None)
     by_frontend, _ = core.push([TokenEntry(record.request_id, 0, full[len(prompt):], "length")])
     assert "".join(d.text for d in by_frontend["fe:1"]) == " Paris"
+
+
+class LinkOnly(frontend_pb2_grpc.FrontendServicer):
+    """A frontend's gRPC service with nothing but its ``Link`` call (``FlakyLink``'s)."""
+
+    def __init__(self, end: FlakyLink):
+        self.end = end
+
+    def Link(self, request, context):
+        return self.end.service.Link(request, context)
+
+
+def test_a_frontend_that_answers_late_or_hangs_up_still_gets_every_token_once_in_order(store, tokenizer):
+    """A frontend that answers late and hangs up on some batches unanswered (``FlakyLink``). The detokenizer reads a
+    frontend's answer to a batch just before its next one (or, for the last of a burst,
+    from its resend thread), so a batch the frontend hung up on without answering is held and sent again ahead of
+    anything newer: every token reaches it, in order, each once; the last one too, although no batch follows it."""
+    hang_up_on, taken = {30, 75, 120}, []
+
+    def answer(batch):
+        indices = [i for d in batch.deltas for i in range(d.first_token_index, d.first_token_index + len(d.token_ids))]
+        if hang_up_on & set(indices):  # the first time
+            hang_up_on.difference_update(indices)
+            return None
+        taken.extend(i for i in indices if i >= len(taken))  # one it had already is dropped, as a frontend does
+        return frontend_pb2.DeliverResponse()
+
+    end = FlakyLink(3, frontend_pb2.DeltaBatch.FromString, answer)
+    server = grpc_util.make_server()
+    frontend_pb2_grpc.add_FrontendServicer_to_server(LinkOnly(end), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    service = DetokenizerService(DetokenizerCore(tokenizer, store, lambda *a, **k: None), Schedulers(Registry(store)),
+                                 Metrics("detokenizer-test"), orphan_timeout=30.0)
+    pace = random.Random(3)
+    for i in range(120):
+        service._deliver(address, [Delta("r", i, text="x", first_token_index=i, token_ids=[7])])
+        time.sleep(pace.choice((0, 0.0005, 0.002, 0.006)))
+    time.sleep(0.3)
+    service._deliver(address, [Delta("r", 120, text="x", first_token_index=120, token_ids=[7],
+                                              finish_reason="length")])  # hung up on, and nothing follows it
+    deadline = time.monotonic() + 10
+    while len(taken) < 121 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert taken == list(range(121))
+    server.stop(None)

@@ -10,13 +10,11 @@ import threading
 import time
 import uuid
 from collections import deque
-from types import SimpleNamespace
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from conveyor.engines import EngineInfo, Lease, Registry
-from conveyor.link import Link, LinkServer, LinkService
 from conveyor.metrics import Metrics
 from conveyor.params import RequestParams
 from conveyor.state import RequestRecord, RequestStore
@@ -27,6 +25,7 @@ from scheduler_svc.membership import Membership
 from scheduler_svc.policy import Answer, Scheduler, StepPlan
 from scheduler_svc.request import Request
 from scheduler_svc.server import Publisher
+from helpers import FlakyLink
 
 BLOCKS, BLOCK_SIZE, MAX_LEN = 64, 4, 256
 
@@ -390,50 +389,24 @@ def test_a_stop_string_finish_during_a_step_does_not_move_the_steps_token(redis_
     assert store.get(rid).output_ids == [20, 21] and store.get(rid).finish_reason == "stop"
 
 
-class FlakyDetokenizer(LinkService):
-    """The detokenizer's end of the scheduler's token-batch link, on a real ``LinkServer``: it answers each batch
-    after a random delay, refuses some of the first (``retry``, as when it cannot read a request from Redis), and hangs up on some
-    without answering (as a detokenizer killed after reading a batch). ``taken``: the steps it answered yes to, in
-    order."""
-
-    def __init__(self, seed: int, hang_up_on: set[int], refuse_until: int):
-        self.random = random.Random(seed)
-        self.hang_up_on = hang_up_on  # steps whose first arrival closes the link unanswered
-        self.refuse_until = refuse_until  # steps up to this one are refused now and then
-        self.taken: list[int] = []
-        self.links = 0
-        self.listening(LinkServer("127.0.0.1", 0, self.add_link, "test-push"))
-
-    def add_link(self, link: Link) -> None:
-        self.links += 1
-        threading.Thread(target=self._serve, args=(link,), daemon=True).start()
-
-    def _serve(self, link: Link) -> None:
-        while True:
-            try:
-                batch = link.receive(detokenizer_pb2.TokenBatch.FromString)
-            except (ConnectionError, OSError):
-                return
-            if batch.step in self.hang_up_on:
-                self.hang_up_on.discard(batch.step)
-                link.close()
-                return
-            time.sleep(self.random.choice((0, 0, 0, 0.001, 0.004)))
-            retry = batch.step <= self.refuse_until and self.random.random() < 0.05
-            if not retry:
-                self.taken.append(batch.step)
-            link.send(detokenizer_pb2.PushResponse(step=batch.step, retry=retry))
-
-    def stub(self) -> SimpleNamespace:
-        return SimpleNamespace(Link=lambda request, timeout=None: self.Link(request, None))
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_the_detokenizer_takes_every_batch_once_in_order_when_it_answers_late_refuses_or_hangs_up(seed):
-    """The step loop sends batches itself while their answers keep up and hands them to the publisher's thread when
-    they do not: however the two trade the link, every batch is taken once, in order, including the last of a burst,
+    """A detokenizer that answers late, refuses some batches and hangs up on some unanswered (``FlakyLink``). The
+    step loop sends batches itself while their answers keep up and hands them to the publisher's thread when they
+    do not: however the two trade the link, every batch is taken once, in order, including the last of a burst,
     which no later batch comes to settle: its detokenizer hung up on it, and the thread sends it again."""
-    detokenizer = FlakyDetokenizer(seed, hang_up_on={40, 120, 201}, refuse_until=180)
+    refusals, hang_up_on, taken = random.Random(seed), {40, 120, 201}, []
+
+    def answer(batch):
+        if batch.step in hang_up_on:  # the first time
+            hang_up_on.discard(batch.step)
+            return None
+        retry = batch.step <= 180 and refusals.random() < 0.05  # as when it cannot read a request from Redis
+        if not retry:
+            taken.append(batch.step)
+        return detokenizer_pb2.PushResponse(step=batch.step, retry=retry)
+
+    detokenizer = FlakyLink(seed, detokenizer_pb2.TokenBatch.FromString, answer)
     publish = Publisher(detokenizer.stub(), "127.0.0.1:1", timeout=5.0)
     pace = random.Random(seed)
     for step in range(1, 201):
@@ -442,7 +415,7 @@ def test_the_detokenizer_takes_every_batch_once_in_order_when_it_answers_late_re
     time.sleep(0.3)  # all answered: the next batch goes from the step loop itself
     publish(201, [])  # the detokenizer hangs up on it, and no step comes after it
     deadline = time.monotonic() + 10
-    while len(detokenizer.taken) < 201 and time.monotonic() < deadline:
+    while len(taken) < 201 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert detokenizer.taken == list(range(1, 202))
+    assert taken == list(range(1, 202))
     assert detokenizer.links == 4  # the first, and one after each hang-up
