@@ -12,7 +12,8 @@ The model is made here: a 1-layer Llama with hidden size 64 and random weights, 
 model's tokenizer (vocabulary 49,152), written as a Hugging Face folder in a temporary directory.
 For each level, ``streams`` clients stream at once (greedy, ``ignore_eos``, 16-token prompts); the
 table gives output tokens/s and each process's CPU time per output token (user + system, from
-/proc), the benchmark client's own included. On a GPU host this per-token CPU is what caps
+/proc), the benchmark client's own included, and how often the worker's threads were preempted per output token
+(with ``--model default`` on a CPU: each a model thread stopped mid-step by another process's wake). On a GPU host this per-token CPU is what caps
 throughput. ``--profile DIR`` samples every service with py-spy (``pip install py-spy``; not a dependency) during
 each level, writes its collapsed stacks to ``DIR/<streams>-<process>.txt`` and prints each process's functions
 with the most samples of their own and in total.
@@ -94,6 +95,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
+def preemptions(pid: int) -> int:
+    """How often the process's threads were preempted so far (their involuntary context switches). For the worker,
+    each is a model thread stopped mid-step while its partner waits at a barrier (on a CPU with as many model threads
+    as cores), most of them by another process's wake between two tokens."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
+                         if line.startswith("nonvoluntary_ctxt_switches:"))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
 def start_profiles(pids: dict[str, int], folder: Path, tag: str, gil: bool = False) -> list[tuple[subprocess.Popen, Path]]:
     """py-spy on every service process, until ``report_profiles``; ``gil``: only the thread holding the GIL
     (where each process's Python spends its CPU, not where its threads wait)."""
@@ -139,12 +154,14 @@ def level(backend, pids: dict[str, int], streams: int, requests: int, max_tokens
         return sum(backend.stream(prompt, max_tokens))
 
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    preempted = preemptions(pids["worker"])
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         tokens = sum(pool.map(one, range(requests)))
     wall = time.perf_counter() - start
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-    return {"tokens_per_second": tokens / wall, "cpu_ms_per_token": {n: 1000 * s / tokens for n, s in used.items()}}
+    return {"tokens_per_second": tokens / wall, "cpu_ms_per_token": {n: 1000 * s / tokens for n, s in used.items()},
+            "worker_preemptions_per_token": (preemptions(pids["worker"]) - preempted) / tokens}
 
 
 def main() -> None:
@@ -185,13 +202,14 @@ def main() -> None:
                 what = "tiny random Llama (1 layer, hidden 64, vocab 49,152)" if args.model == "tiny" else args.model
                 print(f"{what}, {args.max_tokens} output tokens per request, {os.cpu_count()} cores, {args.api} API, "
                       f"stream interval {args.stream_interval}")
-                print(f"{'streams':>8}{'tok/s':>10}   CPU ms per output token: " + "".join(f"{n:>12}" for n in names))
+                print(f"{'streams':>8}{'tok/s':>10}   CPU ms per output token: " + "".join(f"{n:>12}" for n in names)
+                      + "   worker preempted a token")
                 for streams in args.streams:
                     profiles = start_profiles(pids, args.profile, str(streams), args.gil) if args.profile else []
                     r = level(backend, pids, streams, streams * args.requests_per_stream, args.max_tokens)
                     cpu = r["cpu_ms_per_token"]
-                    print(f"{streams:>8}{r['tokens_per_second']:10.1f}{'':28}" + "".join(f"{cpu[n]:12.3f}" for n in names),
-                          flush=True)
+                    print(f"{streams:>8}{r['tokens_per_second']:10.1f}{'':28}" + "".join(f"{cpu[n]:12.3f}" for n in names)
+                          + f"{r['worker_preemptions_per_token']:26.2f}", flush=True)
                     if profiles:
                         report_profiles(profiles)
         finally:
