@@ -240,8 +240,10 @@ class DetokenizerService(LinkService, detokenizer_pb2_grpc.DetokenizerServicer):
             deltas = held + deltas
             if deltas and not self._send(frontend, deltas, since, len(held)):
                 self.channels.hold(frontend, deltas, since)
-                judged.append((deltas, {d.request_id for d in deltas if d.finish_reason is None}))
+                judged.append((deltas, None))
         for delivered, gone in judged:
+            if gone is None:  # the frontend could not take them (its clients may resume elsewhere)
+                gone = {d.request_id for d in delivered if d.finish_reason is None}
             self.orphans.found({d.request_id for d in delivered} - gone)
             for request_id in self.orphans.lost(gone):  # nobody listened for too long: stop generating
                 self.metrics.orphan_aborts.inc()
@@ -275,10 +277,10 @@ class DetokenizerService(LinkService, detokenizer_pb2_grpc.DetokenizerServicer):
         self.channels.sent(frontend, since, deltas, held)
         return True
 
-    def _settle(self, frontend: str) -> tuple[list[Delta], set[str]] | None:
+    def _settle(self, frontend: str) -> tuple[list[Delta], set[str] | None] | None:
         """Read the frontend's answer to the batch sent to it last (waiting for it, ``Channels.ANSWER_SECONDS`` at
-        most): (its deltas, the ids it holds no stream for), or None when nothing waits for an answer. A batch it
-        did not take is held again. Under ``sending(frontend)``."""
+        most): (its deltas, the ids it holds no stream for, or None when it did not take them: they are held again),
+        or None when nothing waits for an answer. Under ``sending(frontend)``."""
         if (sent := self.channels.unanswered(frontend)) is None:
             return None
         since, deltas, held = sent
@@ -291,7 +293,7 @@ class DetokenizerService(LinkService, detokenizer_pb2_grpc.DetokenizerServicer):
             peer.drop()
             self._failed(frontend, exc, len(deltas), quiet=since is not None)
             self.channels.hold(frontend, deltas, since)
-            return deltas, {d.request_id for d in deltas if d.finish_reason is None}
+            return deltas, None
         if held:
             log.info("delivered %d held deltas to frontend %s", held, frontend)
         return deltas, set(reply.unknown_request_ids)

@@ -203,28 +203,29 @@ class Publisher:
     def __call__(self, step: int, outputs: list[Output]) -> None:
         batch = outputs_to_pb(step, outputs)
         with self.cond:
-            if not self.threaded:
-                link = self.detokenizer.link
-                if self.sent is not None and link is not None and link.ready():
-                    sent, self.sent = self.sent, None
-                    self._taken(sent, self._answer(sent))
-                if self.sent is None and not self.backlog and link is not None and self.detokenizer.link is link:
-                    try:
-                        link.send(batch)
-                    except Exception as exc:  # noqa: BLE001 - the thread dials again and sends it
-                        log.warning("detokenizer push of step %d failed (%s); retrying", step, exc)
-                        self.detokenizer.drop()
-                    else:
-                        self.sent, self.sent_at = batch, time.monotonic()
-                        if self.asleep:  # its wait has no deadline: give it one
-                            self.cond.notify()
-                        return
+            link = None if self.threaded else self.detokenizer.link
+            if link is not None and self.sent is not None and link.ready():
+                sent, self.sent = self.sent, None
+                self._taken(sent, self._answer(sent))  # a no hands the link to the thread
+            if not self.threaded and self.sent is None and link is not None and self.detokenizer.link is link:
+                try:
+                    link.send(batch)
+                except Exception as exc:  # noqa: BLE001 - the thread dials again and sends it
+                    self.detokenizer.drop()
+                    self._taken(batch, str(exc) or type(exc).__name__)
+                    self.cond.notify()
+                    return
+                self.sent, self.sent_at = batch, time.monotonic()
+                if self.asleep:  # its wait has no deadline: give it one
+                    self.cond.notify()
+                return
             self.backlog.append(batch)
             self.threaded = True
             self.cond.notify()
 
     def _taken(self, batch: detokenizer_pb2.TokenBatch, why: str | None) -> None:
-        """(Under the lock.) ``batch``'s answer was read: one not taken goes back to the head of the backlog."""
+        """(Under the lock.) ``batch``'s answer was read (``why``: None, or why it was not taken): one not taken goes
+        back to the head of the backlog, and the thread has the link until it is."""
         if why is not None:
             log.warning("detokenizer push of step %d failed (%s); retrying", batch.step, why)
             self.backlog.appendleft(batch)
@@ -241,29 +242,22 @@ class Publisher:
                     self.asleep = self.sent is None
                     self.cond.wait(None if self.asleep else self.SETTLE_SECONDS)
                     self.asleep = False
-                sent = self.sent
-            if sent is not None:  # the link is the thread's now: read outside the lock, the step loop never waits
-                why = self._answer(sent)
-                with self.cond:
-                    self.sent = None
-                    self._taken(sent, why)
-                if why is not None:
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 0.5)
-                continue
-            with self.cond:
-                if not self.backlog:
+                batch, self.sent = self.sent, None
+                if batch is None and not self.backlog:
                     self.threaded = False  # all answered: the link goes back to the step loop
                     continue
-                batch = self.backlog[0]
-            if (why := self._push(batch)) is None:
-                with self.cond:
-                    self.backlog.popleft()
+                waiting = batch is not None  # sent already: only its answer is to be read
+                if not waiting:
+                    batch = self.backlog.popleft()
+            # the link is the thread's now: used outside the lock, so the step loop never waits on it
+            why = self._answer(batch) if waiting else self._push(batch)
+            with self.cond:
+                self._taken(batch, why)
+            if why is None:
                 backoff = 0.05
-                continue
-            log.warning("detokenizer push of step %d failed (%s); retrying", batch.step, why)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)
+            else:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
 
     def _push(self, batch: detokenizer_pb2.TokenBatch) -> str | None:
         """None once the detokenizer took ``batch``, else why not (the link is then opened anew)."""

@@ -20,7 +20,7 @@ from conveyor.tokenizer import load_tokenizer
 from conveyor.v1 import frontend_pb2, frontend_pb2_grpc
 from detokenizer_svc.core import DetokenizerCore, TokenEntry
 from detokenizer_svc.incremental import IncrementalDetokenizer, StopMatcher
-from detokenizer_svc.server import DetokenizerService
+from detokenizer_svc.server import Channels, DetokenizerService
 from helpers import FlakyLink
 
 TEXTS = [
@@ -308,7 +308,10 @@ def test_a_frontend_that_answers_late_or_hangs_up_still_gets_every_token_once_in
     for i in range(120):
         service._deliver(address, [Delta("r", i, text="x", first_token_index=i, token_ids=[7])])
         time.sleep(pace.choice((0, 0.0005, 0.002, 0.006)))
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while len(taken) < 120 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(Channels.DOWN_SECONDS + 0.1)  # all taken, and none failed lately: the next batch goes from _deliver
     service._deliver(address, [Delta("r", 120, text="x", first_token_index=120, token_ids=[7],
                                               finish_reason="length")])  # hung up on, and nothing follows it
     deadline = time.monotonic() + 10

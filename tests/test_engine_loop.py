@@ -412,9 +412,11 @@ def test_the_detokenizer_takes_every_batch_once_in_order_when_it_answers_late_re
     for step in range(1, 201):
         publish(step, [])
         time.sleep(pace.choice((0, 0.0005, 0.002, 0.006)))
-    time.sleep(0.3)  # all answered: the next batch goes from the step loop itself
-    publish(201, [])  # the detokenizer hangs up on it, and no step comes after it
     deadline = time.monotonic() + 10
+    while len(taken) < 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # all answered: the next batch goes from the step loop itself
+    publish(201, [])  # the detokenizer hangs up on it, and no step comes after it
     while len(taken) < 201 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert taken == list(range(1, 202))
