@@ -79,6 +79,22 @@ def test_chat_stream_sends_the_role_once_one_finish_and_the_usage_before_done(ba
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == plain["choices"][0]["message"]["content"]
 
 
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(), chat=st.booleans(), index=st.integers(0, 2))
+def test_a_text_chunk_is_the_bytes_json_dumps_writes_for_any_text(text, chat, index):
+    """The hot path writes a token's chunk from parts encoded once; it must be the general chunk's exact bytes."""
+    from types import SimpleNamespace
+
+    from tokenizer_svc.openai_reply import Reply
+
+    api = SimpleNamespace(model='a "model"/\u00e9\n')
+    reply = Reply(api, [SimpleNamespace(prompt_tokens=2)] * 3, chat, False, [""] * 3, False)
+    fast = reply._text_chunk(index, text)
+    assert fast == reply._chunk([reply._choice(index, text, None, None)])
+    assert json.loads(fast.removeprefix(b"data: "))["choices"][0]["delta" if chat else "text"] == (
+        {"content": text} if chat else text)
+
+
 def test_the_openai_client_streams_and_n_gives_n_choices(client, model):
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=model, messages=CHAT, max_tokens=8, temperature=0, stream=True) if c.choices)

@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -47,6 +48,15 @@ class Reply:
         self.object = "chat.completion" if chat else "text_completion"
         self.n = n
         self.prompt_tokens = sum(s.prompt_tokens for s in streams[::n])  # each prompt once, whatever n (OpenAI)
+        # A chunk's bytes as json.dumps writes them, the fixed parts encoded once: the envelope, and each choice's
+        # text-only shape (most chunks), into which only the text goes. json.dumps of the whole chunk was ~12 % of
+        # the frontend's CPU a token at 128 streams.
+        envelope = json.dumps({"id": self.id, "object": self.object + (".chunk" if chat else ""),
+                               "created": self.created, "model": api.model}, ensure_ascii=False)
+        self._head = b"data: " + envelope[:-1].encode() + b', "choices": '
+        text_part = '[{"index": %d, "delta": {"content": ' if chat else '[{"index": %d, "text": '
+        self._text_heads = [self._head + (text_part % i).encode() for i in range(len(streams))]
+        self._text_tail = (b'}' if chat else b'') + b', "logprobs": null, "finish_reason": null}]}\n\n'
 
     def _deltas(self, index: int) -> AsyncIterator[ClientDelta]:
         api = self.api
@@ -120,11 +130,14 @@ class Reply:
                 "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
-        body = {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
-                "model": self.api.model, "choices": choices}
+        body = json.dumps(choices, ensure_ascii=False)
         if usage is not None:
-            body["usage"] = usage
-        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+            body += ', "usage": ' + json.dumps(usage, ensure_ascii=False)
+        return self._head + body.encode() + b"}\n\n"
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """``_chunk([_choice(index, text, None, None)])``, the same bytes, at the cost of encoding the text."""
+        return self._text_heads[index] + encode_basestring(text).encode() + self._text_tail
 
     async def _items(self, index: int) -> AsyncIterator[ClientDelta | ConveyorError | None]:
         """One choice's deltas, then None, or the error that ended it (any reader error, a Redis error or a bug,
@@ -198,10 +211,14 @@ class Reply:
                 if item.text or finish or first[index] or item.token_ids:
                     text = self.echoed[index] + item.text if first[index] else item.text
                     logprobs = self._logprobs(item, written[index] + len(text) - len(item.text), index)
-                    choice = self._choice(index, text, finish, logprobs)
-                    if self.vllm_prompt_logprobs and item.prompt_logprobs is not None:
-                        choice["prompt_logprobs"] = self._vllm_prompt_logprobs(index, item.prompt_logprobs)
-                    yield self._chunk([choice])
+                    scored = self.vllm_prompt_logprobs and item.prompt_logprobs is not None
+                    if finish is None and logprobs is None and not scored:
+                        yield self._text_chunk(index, text)
+                    else:
+                        choice = self._choice(index, text, finish, logprobs)
+                        if scored:
+                            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(index, item.prompt_logprobs)
+                        yield self._chunk([choice])
                     written[index] += len(text)
                     first[index] = False
             if self.include_usage:
