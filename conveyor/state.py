@@ -327,9 +327,16 @@ class AsyncRequestStore(RequestStore):
     """The same store on an event loop (``redis.asyncio``): each operation is a coroutine. The frontend's,
     so that no request's Redis round trip holds a thread."""
 
+    # Connections at once; a coroutine past them waits for one (for up to socket_timeout, then it is a Redis that is
+    # down). redis-py's own pool raises past its 100 instead, and a burst of streams that all looked at Redis at
+    # once (their ``keep_up`` on the same tick) got a 500.
+    MAX_CONNECTIONS = 100
+
     @classmethod
     def from_url(cls, url: str, prefix: str = "conveyor", finished_ttl: float = 600.0) -> AsyncRequestStore:
-        return cls(redis.asyncio.Redis.from_url(url, **cls.OPTIONS), prefix, finished_ttl)
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=cls.MAX_CONNECTIONS, timeout=cls.OPTIONS["socket_timeout"], **cls.OPTIONS)
+        return cls(redis.asyncio.Redis.from_pool(pool), prefix, finished_ttl)
 
     async def drive(self, steps: Steps):
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import time
@@ -11,7 +12,7 @@ import pytest
 from helpers import free_port
 
 from conveyor.params import RequestParams
-from conveyor.state import REDIS_DOWN, RequestRecord, RequestStore
+from conveyor.state import REDIS_DOWN, AsyncRequestStore, RequestRecord, RequestStore
 
 
 def _store(redis_server) -> RequestStore:
@@ -22,6 +23,19 @@ def _append(store: RequestStore, rid: str, tokens: list[int], num_output: int) -
     writer = store.writer()
     writer.tokens(rid, tokens, num_output, None)
     return writer.execute()
+
+
+def test_the_frontends_store_takes_more_operations_at_once_than_it_has_connections(redis_server):
+    """A burst of coroutines wider than the event loop's connections (many streams looking at Redis on one tick):
+    each waits for a connection, none fails (redis-py's own pool raised past its 100)."""
+    async def run():
+        store = AsyncRequestStore.from_url(redis_server, prefix=f"test-{uuid.uuid4().hex[:8]}")
+        try:
+            return await asyncio.gather(*(store.progress(f"missing-{i}") for i in range(300)))
+        finally:
+            await store.redis.aclose()
+
+    assert asyncio.run(run()) == [None] * 300
 
 
 def test_a_retried_append_does_not_add_the_tokens_twice(redis_server):
