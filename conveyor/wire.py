@@ -1,4 +1,8 @@
-"""Small protobuf conversions more than one service needs (finish reasons, logprobs)."""
+"""Small protobuf conversions more than one service needs (finish reasons, logprobs).
+
+Each service copies a message's repeated field with ``field[:]``, not ``list(field)``: under protobuf's upb
+the slice costs 0.3-0.35 µs against 0.75-0.9, and the converters of a step's chunks and tokens do it a few
+times for each of a few hundred."""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ SERVICE_NAME = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_n
 
 
 def entry_from_pb(pb: detokenizer_pb2.RequestTokens) -> TokenEntry:
-    return TokenEntry(pb.request_id, pb.first_index, list(pb.token_ids), FINISH_FROM_PB[pb.finish_reason],
-                      pb.stopped_by_token, list(pb.logprobs))
+    return TokenEntry(pb.request_id, pb.first_index, pb.token_ids[:], FINISH_FROM_PB[pb.finish_reason],
+                      pb.stopped_by_token, pb.logprobs[:])
 
 
 def delta_to_pb(d: Delta) -> frontend_pb2.Delta:

@@ -80,7 +80,7 @@ def input_from_pb(pb: conveyor_pb2.GenerateRequest) -> GenerateInput:
 
 def delta_from_pb(d: frontend_pb2.Delta) -> Delta:
     return Delta(d.request_id, d.text_offset, text=d.text, first_token_index=d.first_token_index,
-                 token_ids=list(d.token_ids), logprobs=list(d.logprobs), finish_reason=FINISH_FROM_PB[d.finish_reason],
+                 token_ids=d.token_ids[:], logprobs=d.logprobs[:], finish_reason=FINISH_FROM_PB[d.finish_reason],
                  prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens)
 
 

@@ -52,16 +52,19 @@ def registration_from_pb(c: worker_pb2.SequenceChunk, limits: Limits) -> tuple[S
     return sampling, stop
 
 
+NO_STOP = StopParams()  # a chunk that does not register: its stop is unused (one frozen instance, not one a chunk)
+
+
 def step_from_pb(pb: worker_pb2.StepRequest, limits: Limits) -> StepInput:
     chunks = []
     for c in pb.chunks:
-        sampling, stop = registration_from_pb(c, limits) if c.HasField("sampling") else (None, StopParams())
+        sampling, stop = registration_from_pb(c, limits) if c.HasField("sampling") else (None, NO_STOP)
         structured = Structured.from_pb(c.structured) if c.HasField("structured") else None
-        chunks.append(SeqChunk(c.seq_id, list(c.token_ids), c.start_pos, new_block_ids=list(c.new_block_ids),
+        chunks.append(SeqChunk(c.seq_id, c.token_ids[:], c.start_pos, new_block_ids=c.new_block_ids[:],
                                sample=c.sample, sampling=sampling, num_prompt_tokens=c.num_prompt_tokens,
-                               decode_last=c.decode_last, cached_token_ids=list(c.cached_token_ids), stop=stop,
+                               decode_last=c.decode_last, cached_token_ids=c.cached_token_ids[:], stop=stop,
                                structured=structured, max_drafts=c.max_drafts))
-    return StepInput(chunks, list(pb.free_seq_ids), pb.free_all)
+    return StepInput(chunks, pb.free_seq_ids[:], pb.free_all)
 
 
 def _token_pb(seq_id: str, token_id: int, logprob: float, top: list[tuple[int, float]],
