@@ -56,10 +56,10 @@ class RequestIds:
         given = dict(scope["headers"]).get(b"x-request-id", b"")[:128]
         request_id = given if given and given.isascii() else uuid.uuid4().hex.encode()
 
-        async def tagged(message):
+        def tagged(message):  # send's own awaitable, not a coroutine around it: this runs for every chunk of a stream
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
-            await send(message)
+            return send(message)
 
         await self.app(scope, receive, tagged)
 

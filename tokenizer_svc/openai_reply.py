@@ -139,37 +139,35 @@ class Reply:
         """``_chunk([_choice(index, text, None, None)])``, the same bytes, at the cost of encoding the text."""
         return self._text_heads[index] + encode_basestring(text).encode() + self._text_tail
 
-    async def _items(self, index: int) -> AsyncIterator[ClientDelta | ConveyorError | None]:
-        """One choice's deltas, then None, or the error that ended it (any reader error, a Redis error or a bug,
-        ends this choice alone, said)."""
+    async def _items(self, index: int) -> AsyncIterator[tuple[int, ClientDelta | ConveyorError | None]]:
+        """One choice's deltas as (index, delta), then (index, None), or the error that ended it (any reader error,
+        a Redis error or a bug, ends this choice alone, said)."""
         try:
             async with contextlib.aclosing(self._deltas(index)) as deltas:
                 async for delta in deltas:
-                    yield delta
-            yield None
+                    yield index, delta
+            yield index, None
         except ConveyorError as exc:
-            yield exc
+            yield index, exc
         except Exception as exc:  # noqa: BLE001
             log.exception("choice %d of %s failed", index, self.id)
-            yield ConveyorError(f"internal error: {type(exc).__name__}: {exc}")
+            yield index, ConveyorError(f"internal error: {type(exc).__name__}: {exc}")
 
-    async def _merged(self) -> AsyncIterator[tuple[int, ClientDelta | ConveyorError | None]]:
-        """Every choice's ``_items`` as (index, item), interleaved as they come. One choice (most requests) is
-        followed here, in this coroutine; several each in a task of its own, through a queue: a task switch a
-        token, which cost one stream 0.18-0.20 against 0.16-0.17 ms of the frontend's CPU a token on the 2-core
-        Zen 4 (``bench/pipeline_ceiling.py --api openai --max-tokens 256 --requests-per-stream 4``, alternating;
-        at 8 streams the same 0.07)."""
-        if len(self.streams) == 1:
-            async with contextlib.aclosing(self._items(0)) as items:
-                async for item in items:
-                    yield 0, item
-            return
+    def _merged(self) -> AsyncIterator[tuple[int, ClientDelta | ConveyorError | None]]:
+        """Every choice's ``_items``, interleaved as they come. One choice (most requests) is followed in the
+        caller's coroutine, its ``_items`` itself; several each in a task of its own, through a queue: a task
+        switch a token, which cost one stream 0.18-0.20 against 0.16-0.17 ms of the frontend's CPU a token on the
+        2-core Zen 4 (``bench/pipeline_ceiling.py --api openai --max-tokens 256 --requests-per-stream 4``,
+        alternating; at 8 streams the same 0.07)."""
+        return self._items(0) if len(self.streams) == 1 else self._interleaved()
+
+    async def _interleaved(self) -> AsyncIterator[tuple[int, ClientDelta | ConveyorError | None]]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int) -> None:
             async with contextlib.aclosing(self._items(index)) as items:
-                async for item in items:
-                    await queue.put((index, item))
+                async for pair in items:
+                    await queue.put(pair)
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
         try:
