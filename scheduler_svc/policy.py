@@ -53,7 +53,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.request import Request, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """One request's share of a step (becomes a worker SequenceChunk)."""
 
@@ -67,9 +67,6 @@ class Chunk:
     registers: bool = False  # the request's first chunk since admission (always at position 0): the worker learns of it
     cached_ids: list[int] = field(default_factory=list)  # registers after a prefix cache hit: its tokens
     max_drafts: int = 0  # speculation: tokens the worker may draft after this decode's token
-
-    def __post_init__(self):
-        self.registers = self.registers or self.start_pos == 0
 
 
 @dataclass
@@ -456,7 +453,8 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int, registers: bool = False) -> Chunk:
         start = request.num_computed
-        drafts = self._drafts(request, n, registers)
+        registers = registers or start == 0  # a request's first chunk always is
+        drafts = self._drafts(request, n, registers) if self.spec_tokens else 0
         if drafts and not self.blocks.can_grow(request.request_id, request.reach(n) + drafts):
             drafts = 0  # room for drafts only from free blocks: speculation never preempts
             self.counters.spec_skipped["blocks"] += 1
@@ -464,12 +462,12 @@ class Scheduler:
         if registers:
             new_blocks = list(self.blocks.table(request.request_id))
         if request.num_pending == 0:  # everything known is computed: the next token is in flight
-            chunk = Chunk(request, [], start, new_blocks, sample=True, decode_last=True, epoch=request.epoch)
+            chunk = Chunk(request, [], start, new_blocks, sample=True, decode_last=True, epoch=request.epoch,
+                          registers=registers, max_drafts=drafts)
         else:
             chunk = Chunk(request, request.tokens(start, start + n), start, new_blocks,
                           sample=start + n == request.num_tokens, epoch=request.epoch, registers=registers,
-                          cached_ids=request.tokens(0, start) if registers and start else [])
-        chunk.max_drafts = drafts
+                          cached_ids=request.tokens(0, start) if registers and start else [], max_drafts=drafts)
         request.num_computed = start + n
         request.samples_in_flight += chunk.sample
         request.drafts_in_flight += drafts
