@@ -204,7 +204,8 @@ def test_a_step_stream_names_the_sequence_a_refused_step_failed_on(stub, default
 
     prompt = default_model.tokenizer.encode("The capital of Spain is")
     good, bad = (Request(rid, prompt, RequestParams.of(temperature=0.0), (), 0.0) for rid in ("fine", "culprit"))
-    plan = StepPlan(1, [Chunk(good, prompt, 0, [40, 41], True), Chunk(bad, prompt, 0, [10**6], True)], [])
+    plan = StepPlan(1, [Chunk(good, prompt, 0, [40, 41], True, registers=True),
+                          Chunk(bad, prompt, 0, [10**6], True, registers=True)], [])
     channel = StepChannel(stub, "127.0.0.1:0", step_timeout=60)
     channel.send(plan)
     with pytest.raises(StepFailed) as failed:
