@@ -36,7 +36,7 @@ def entry_from_pb(pb: detokenizer_pb2.RequestTokens) -> TokenEntry:
 
 def deltas_pb(deltas: list[Delta], into) -> None:
     """Add ``deltas`` to ``into`` (a message's repeated ``deltas``) in place, each with only the fields that are set
-    (a token's text and id, most of them): 1.8 against 3.1 us a delta built whole from keywords."""
+    (a token's text and id, most of them): 1.5 against 3.1 us a delta built whole from keywords."""
     add = into.add
     for d in deltas:
         pb = add(request_id=d.request_id, text_offset=d.text_offset, text=d.text, first_token_index=d.first_token_index)

@@ -454,7 +454,7 @@ class Scheduler:
     def _chunk(self, request: Request, n: int, registers: bool = False) -> Chunk:
         start = request.num_computed
         registers = registers or start == 0  # a request's first chunk always is
-        drafts = self._drafts(request, n, registers) if self.spec_tokens else 0
+        drafts = self._drafts(request, n, registers)
         if drafts and not self.blocks.can_grow(request.request_id, request.reach(n) + drafts):
             drafts = 0  # room for drafts only from free blocks: speculation never preempts
             self.counters.spec_skipped["blocks"] += 1
